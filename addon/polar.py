@@ -1,0 +1,320 @@
+"""Record every model call a harness makes, at token level, on its way to the inference server.
+
+    mitmdump --mode reverse:http://127.0.0.1:8000 --listen-host 127.0.0.1 -p 8080 \\
+        -s addon/polar.py --set polar_dir=captures --set polar_upstream=vllm
+
+Point the harness's base URL at the proxy and set its API key to a session id. Each finished
+exchange becomes one JSON line under ``polar_dir`` (format: ``addon/record.py``). Responses stream
+through untouched: a tee keeps a copy of every chunk as it passes. Imports only the standard
+library and mitmproxy, so a standalone mitmproxy can load it.
+"""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+import json
+import logging
+import os
+import secrets
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mitmproxy import ctx, exceptions, http
+from mitmproxy.net import encoding
+
+if __package__ in (None, "", "__mitmproxy_script__"):
+    # `mitmdump -s addon/polar.py` loads this file as a loose script: make its package importable.
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from addon import chat, session  # noqa: E402
+from addon.record import Body, Exchange  # noqa: E402
+from addon.writer import CaptureWriter  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+UPSTREAMS = ("vllm", "sglang", "plain")
+METADATA_KEY = "polar"
+SALT_FILE = ".session-salt"
+
+
+def detect_api(path: str) -> str:
+    base = path.partition("?")[0].rstrip("/")
+    if chat.is_chat_path(base):
+        return "chat"
+    if base.endswith("/messages") or base.endswith("/messages/count_tokens"):
+        return "anthropic"
+    if base.endswith("/responses"):
+        return "responses"
+    if base.endswith(":generateContent") or base.endswith(":streamGenerateContent"):
+        return "google"
+    return "other"
+
+
+def guarded(hook: Callable[..., None]) -> Callable[..., None]:
+    """An error in the addon is logged and costs at most this exchange's record, never the proxy."""
+
+    @functools.wraps(hook)
+    def run(self: "Polar", flow: http.HTTPFlow) -> None:
+        try:
+            hook(self, flow)
+        except Exception as e:
+            log.exception("polar: %s failed for %s", hook.__name__, flow.request.pretty_url)
+            ex = flow.metadata.get(METADATA_KEY)
+            if isinstance(ex, Exchange) and ex.error is None:
+                ex.error = {"kind": "addon", "message": f"{hook.__name__}: {type(e).__name__}: {e}"}
+
+    return run
+
+
+class Tee:
+    """The response stream callable: passes each chunk on unchanged and keeps a copy."""
+
+    def __init__(self, exchange: Exchange) -> None:
+        self.exchange = exchange
+
+    def __call__(self, data: bytes) -> bytes:
+        ex = self.exchange
+        now = time.time()
+        if data:
+            if ex.t_first_byte is None:
+                ex.t_first_byte = now
+            ex.chunks.append(data)
+            ex.chunk_times.append(now)
+        return data
+
+
+class Polar:
+    def __init__(self) -> None:
+        self.writer: CaptureWriter | None = None
+        self._salt: bytes | None = None
+        self.upstream = "vllm"
+        self.upstream_key = ""
+
+    def load(self, loader: Any) -> None:
+        loader.add_option("polar_dir", str, "captures", "Folder for capture files (created 0700, files 0600).")
+        loader.add_option(
+            "polar_upstream",
+            str,
+            "vllm",
+            "Which token fields to ask the upstream for: vllm | sglang | plain (none, only record).",
+        )
+        loader.add_option(
+            "polar_upstream_key",
+            str,
+            "",
+            "Credential sent upstream in place of the client's key (which is never forwarded). Empty: none.",
+        )
+        loader.add_option("polar_fsync", bool, False, "fsync each batch of records (survives power loss; slower).")
+        loader.add_option("polar_rotate_mb", int, 256, "Start a new capture file once the current one passes this size (MiB).")
+
+    def configure(self, updated: set[str]) -> None:
+        opts = ctx.options
+        if "polar_upstream" in updated:
+            if opts.polar_upstream not in UPSTREAMS:
+                raise exceptions.OptionsError(
+                    f"polar_upstream must be one of {', '.join(UPSTREAMS)}, not {opts.polar_upstream!r}"
+                )
+            self.upstream = opts.polar_upstream
+        if "polar_rotate_mb" in updated and opts.polar_rotate_mb < 1:
+            raise exceptions.OptionsError(f"polar_rotate_mb must be at least 1, not {opts.polar_rotate_mb}")
+        self.upstream_key = opts.polar_upstream_key
+        if updated & {"polar_dir", "polar_fsync", "polar_rotate_mb"}:
+            directory = Path(opts.polar_dir)
+            if directory.exists() and not directory.is_dir():
+                raise exceptions.OptionsError(f"polar_dir {opts.polar_dir!r} exists and is not a folder")
+            if self.writer is not None:
+                self.writer.close()
+            # Files and the folder appear with the first record, not before.
+            self.writer = CaptureWriter(
+                directory,
+                rotate_bytes=opts.polar_rotate_mb << 20,
+                fsync=opts.polar_fsync,
+                decode_content=encoding.decode,  # type: ignore[arg-type]
+            )
+            self._salt = None
+
+    @property
+    def salt(self) -> bytes:
+        if self._salt is None:
+            try:
+                self._salt = _load_salt(Path(ctx.options.polar_dir) / SALT_FILE)
+            except OSError as e:  # hashing must not fail: the key would then travel on
+                log.error("polar: cannot keep a session salt in polar_dir (%s); key hashes change on restart", e)
+                self._salt = secrets.token_bytes(32)
+        return self._salt
+
+    def running(self) -> None:
+        host = ctx.options.listen_host
+        if not _is_loopback(host):
+            log.warning(
+                "polar: the proxy listens on %s, beyond loopback; captures hold users' code and prompts. "
+                "Use --listen-host 127.0.0.1 unless other machines must reach it.",
+                host or "all interfaces",
+            )
+        _answer_proxy_errors_in_json()
+
+    def done(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+    @guarded
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        headers = {k.lower(): v for k, v in flow.request.headers.items()}
+        found = session.resolve(headers, flow.request.path, self.salt)
+        flow.request.path = found.path
+        for name in session.CREDENTIAL_HEADERS:
+            flow.request.headers.pop(name, None)
+        if self.upstream_key:
+            self._set_upstream_key(flow, found.credential_header)
+        flow.request.headers[session.SESSION_HEADER] = found.id
+        # The tee must see plain bytes; a gzipped stream could not be recorded chunk by chunk.
+        flow.request.headers["accept-encoding"] = "identity"
+        flow.metadata[METADATA_KEY] = Exchange(
+            session_id=found.id,
+            session_source=found.source,
+            api=detect_api(found.path),
+            upstream=self.upstream,
+            method=flow.request.method,
+            path=found.path,
+            t_start=flow.request.timestamp_start or time.time(),
+            request_headers=session.recordable_headers(headers),
+        )
+
+    def _set_upstream_key(self, flow: http.HTTPFlow, where: str | None) -> None:
+        if where == "query":
+            flow.request.query["key"] = self.upstream_key
+        elif where in ("x-api-key", "x-goog-api-key"):
+            flow.request.headers[where] = self.upstream_key
+        else:
+            flow.request.headers["authorization"] = f"Bearer {self.upstream_key}"
+
+    @guarded
+    def request(self, flow: http.HTTPFlow) -> None:
+        ex = flow.metadata.get(METADATA_KEY)
+        if not isinstance(ex, Exchange):
+            return
+        try:
+            data = flow.request.content or b""
+        except ValueError:  # a content-encoding we cannot undo: record the bytes as sent
+            data = flow.request.raw_content or b""
+        ex.request = Body.parse(data)
+        if self.writer is not None and self.writer.failure and ex.api != "other":
+            message = f"polar is not recording ({self.writer.failure}); refusing model calls until it is"
+            flow.response = _json_response(503, chat.error_body(503, message, "capture_unavailable"))
+            ex.error = {"kind": "addon", "message": message}
+            return
+        body = ex.request.value
+        if ex.api == "chat" and isinstance(body, dict) and ex.request.json_text is not None:
+            added = chat.token_fields(body, self.upstream)
+            if added:
+                sent, pure_addition = chat.splice(ex.request.json_text, body, added)
+                flow.request.content = sent
+                ex.injected = added
+                if not pure_addition:
+                    ex.upstream_request = Body.parse(sent)
+
+    @guarded
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        ex = flow.metadata.get(METADATA_KEY)
+        if not isinstance(ex, Exchange) or flow.response is None:
+            return
+        ex.status = flow.response.status_code
+        ex.response_headers = dict(flow.response.headers.items())
+        ex.streamed = flow.response.headers.get("content-type", "").startswith("text/event-stream")
+        ex.content_encoding = flow.response.headers.get("content-encoding", "")
+        if ex.status != 101:  # a protocol upgrade carries no body to tee
+            flow.response.stream = Tee(ex)
+
+    @guarded
+    def response(self, flow: http.HTTPFlow) -> None:
+        ex = flow.metadata.get(METADATA_KEY)
+        if not isinstance(ex, Exchange) or flow.response is None:
+            return
+        if ex.status is None:  # answered by the addon itself, without an upstream
+            ex.status = flow.response.status_code
+            ex.response_headers = dict(flow.response.headers.items())
+            ex.chunks, ex.chunk_times = [flow.response.content or b""], [time.time()]
+        ex.complete = ex.error is None
+        self._submit(ex)
+
+    @guarded
+    def error(self, flow: http.HTTPFlow) -> None:
+        ex = flow.metadata.get(METADATA_KEY)
+        if not isinstance(ex, Exchange):
+            return
+        message = flow.error.msg if flow.error else "unknown error"
+        # Before response headers the upstream failed us; after them, a broken stream is the
+        # client leaving unless the upstream is named.
+        upstream_side = ex.status is None or "server" in message.lower()
+        ex.error = ex.error or {"kind": "upstream" if upstream_side else "client", "message": message}
+        ex.complete = False
+        self._submit(ex)
+
+    def _submit(self, ex: Exchange) -> None:
+        if ex.written or self.writer is None:
+            return
+        ex.written = True
+        ex.t_end = time.time()
+        self.writer.submit(ex)
+
+
+def _load_salt(path: Path) -> bytes:
+    """A per-folder secret for hashing API keys: stable across restarts, so one key is one session."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        salt = secrets.token_bytes(32)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another proxy on this folder won the race
+            return path.read_bytes()
+        with os.fdopen(fd, "wb") as f:
+            f.write(salt)
+        return salt
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _json_response(status: int, body: dict[str, Any]) -> http.Response:
+    return http.Response.make(status, json.dumps(body), {"content-type": "application/json"})
+
+
+def _answer_proxy_errors_in_json() -> None:
+    """Make mitmproxy's own error answers (upstream refused, reset, timed out) JSON, not HTML.
+
+    Harness SDKs parse error bodies as JSON, and mitmproxy 11 gives addons no hook to replace its
+    HTML error page (mitmproxy PR #7999 proposes one), so its HTTP/1 error builder is swapped.
+    """
+    try:
+        from mitmproxy.net.http import http1
+        from mitmproxy.proxy.layers.http import _http1
+    except ImportError:  # pragma: no cover - another mitmproxy layout: keep its HTML errors
+        log.warning("polar: cannot install JSON error answers on this mitmproxy version")
+        return
+    if getattr(_http1.make_error_response, "polar", False):
+        return
+
+    def make_error_response(status_code: int, message: str = "") -> bytes:
+        status = 504 if "timed out" in message.lower() or "timeout" in message.lower() else status_code
+        response = _json_response(status, chat.error_body(status, message or "proxy error", "proxy_error"))
+        response.headers["connection"] = "close"
+        return http1.assemble_response(response)
+
+    make_error_response.polar = True  # type: ignore[attr-defined]
+    _http1.make_error_response = make_error_response
+
+
+addons = [Polar()]

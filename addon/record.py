@@ -1,0 +1,217 @@
+"""The capture record: one JSON line per model call, the format everything downstream reads.
+
+This module is the single source of truth for the format. Standard library only.
+
+Files
+-----
+Records go to ``<polar_dir>/capture-<UTC start>-<pid>[.<n>].jsonl``. Each mitmdump process writes its
+own files, opened with ``O_EXCL`` (never overwritten, never truncated) and mode 0600; a file is
+rotated to the next ``.<n>`` name once it passes ``polar_rotate_mb``. Readers take every
+``*.jsonl`` under the folder. Lines end with ``\\n``; split on that byte only (JSON strings may hold
+U+2028, which ``str.splitlines`` would also split on). A ``kill -9`` can leave a torn last line:
+readers skip a line that does not parse and count it.
+
+Record, format version 1
+------------------------
+=====================  ==========================================================================
+field                  meaning
+=====================  ==========================================================================
+``v``                  format version, ``1``
+``id``                 record id: 32 hex chars, unique per exchange
+``session_id``         who made the call (see ``session_source``)
+``session_source``     ``header`` (x-polar-session) | ``path`` (/s/<id>/...) | ``api_key`` (the key
+                       was a session id) | ``key_hash`` (salted hash of a key) | ``anonymous``
+``api``                ``chat`` | ``anthropic`` | ``responses`` | ``google`` | ``other`` (a path the
+                       addon does not know: forwarded untouched)
+``upstream``           the ``polar_upstream`` mode that shaped the request: vllm | sglang | plain
+``method``, ``path``   HTTP method and the path sent upstream (session prefix stripped; a ``key``
+                       query parameter removed)
+``status``             upstream HTTP status, or null when no response arrived
+``streamed``           true when the response was ``text/event-stream``
+``t_start``            Unix seconds when the client's request began
+``t_first_byte``       Unix seconds of the first response body byte from upstream, or null
+``t_end``              Unix seconds when the exchange ended (finished, failed or abandoned)
+``request_headers``    client headers, credentials and cookies removed
+``response_headers``   upstream response headers, or null
+``request``            the client's body as JSON, or null when empty or not JSON
+``request_raw``        null, or the body when it is not JSON: ``{"text": str}`` or ``{"base64": str}``
+``injected``           fields the addon added to the body sent upstream, dotted keys for nested
+                       ones (``stream_options.include_usage``); ``{}`` when none
+``upstream_request``   the body sent upstream when it differs from ``request`` in more than the
+                       ``injected`` keys (null otherwise: then it is ``request`` with ``injected``
+                       merged in, see :func:`upstream_body`)
+``response``           the upstream's JSON body exactly as received, or null
+``response_stream``    the streamed body (SSE text) exactly as received, or null
+``response_raw``       null, or a body that is neither: ``{"text": str}`` or ``{"base64": str}``
+``chunks``             ``[[ms since t_start, bytes], ...]`` per network chunk received
+``complete``           false when the exchange did not finish (stream broken, client gone, error)
+``error``              null, or ``{"kind": str, "message": str}``: ``upstream`` (refused, reset),
+                       ``client`` (disconnected), ``decode`` (content-encoding), ``addon``
+=====================  ==========================================================================
+
+Interpretation (token ids, log-probs, assembling streams) is the reconstruction's job; the addon
+only records what crossed the wire.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+FORMAT_VERSION = 1
+
+
+def new_record_id() -> str:
+    return secrets.token_hex(16)
+
+
+@dataclass
+class Body:
+    """A message body as captured: parsed JSON when it is JSON, else raw.
+
+    ``json_text`` keeps the exact text (with line breaks folded to spaces, which is lossless
+    outside JSON strings, where they cannot occur unescaped) so a record line embeds it without
+    re-serialising a 100 KB prompt on every call.
+    """
+
+    value: Any = None
+    json_text: str | None = None
+    raw: dict[str, str] | None = None
+
+    @classmethod
+    def parse(cls, data: bytes) -> "Body":
+        if not data:
+            return cls()
+        try:
+            text = data.decode("utf-8")
+            value = json.loads(text)
+        except (UnicodeDecodeError, ValueError):
+            return cls(raw=raw_body(data))
+        return cls(value=value, json_text=text.replace("\r", " ").replace("\n", " "))
+
+    @property
+    def is_json(self) -> bool:
+        return self.json_text is not None
+
+
+def raw_body(data: bytes) -> dict[str, str]:
+    try:
+        return {"text": data.decode("utf-8")}
+    except UnicodeDecodeError:
+        return {"base64": base64.b64encode(data).decode("ascii")}
+
+
+@dataclass
+class Exchange:
+    """Everything known about one model call while it is in flight; becomes one record."""
+
+    session_id: str
+    session_source: str
+    api: str
+    upstream: str
+    method: str
+    path: str
+    t_start: float
+    request_headers: dict[str, str]
+    id: str = field(default_factory=new_record_id)
+    request: Body = field(default_factory=Body)
+    injected: dict[str, Any] = field(default_factory=dict)
+    upstream_request: Body | None = None
+    status: int | None = None
+    streamed: bool = False
+    response_headers: dict[str, str] | None = None
+    content_encoding: str = ""
+    t_first_byte: float | None = None
+    t_end: float | None = None
+    chunks: list[bytes] = field(default_factory=list)
+    chunk_times: list[float] = field(default_factory=list)
+    complete: bool = False
+    error: dict[str, str] | None = None
+    written: bool = False
+
+
+def encode(ex: Exchange, decode_content: Any) -> bytes:
+    """One record line for ``ex``. ``decode_content(bytes, encoding) -> bytes`` undoes gzip & co.
+
+    Runs on the writer thread: the event loop never serialises bodies.
+    """
+    body = b"".join(ex.chunks)
+    error = ex.error
+    if ex.content_encoding and body:
+        try:
+            body = decode_content(body, ex.content_encoding)
+        except Exception as e:  # keep the encoded bytes rather than lose the response
+            error = error or {"kind": "decode", "message": f"{ex.content_encoding}: {e}"}
+    response, response_stream, response_raw = None, None, None
+    if ex.streamed:
+        try:
+            response_stream = body.decode("utf-8")
+        except UnicodeDecodeError:  # e.g. a stream torn inside a multi-byte character
+            response_raw = raw_body(body)
+    elif body:
+        response = Body.parse(body)
+        if not response.is_json:
+            response_raw, response = response.raw, None
+    head = {
+        "v": FORMAT_VERSION,
+        "id": ex.id,
+        "session_id": ex.session_id,
+        "session_source": ex.session_source,
+        "api": ex.api,
+        "upstream": ex.upstream,
+        "method": ex.method,
+        "path": ex.path,
+        "status": ex.status,
+        "streamed": ex.streamed,
+        "t_start": ex.t_start,
+        "t_first_byte": ex.t_first_byte,
+        "t_end": ex.t_end,
+        "complete": ex.complete,
+        "error": error,
+        "request_headers": ex.request_headers,
+        "response_headers": ex.response_headers,
+        "injected": ex.injected,
+        "chunks": [[round((t - ex.t_start) * 1000, 3), len(c)] for t, c in zip(ex.chunk_times, ex.chunks)],
+        "request_raw": ex.request.raw,
+        "response_stream": response_stream,
+        "response_raw": response_raw,
+    }
+    parts = [json.dumps(head, ensure_ascii=False)[:-1]]
+    # The large bodies go last, spliced in as the text they arrived as.
+    parts.append(', "request": ' + _json_text(ex.request))
+    parts.append(', "upstream_request": ' + (_json_text(ex.upstream_request) if ex.upstream_request else "null"))
+    parts.append(', "response": ' + (_json_text(response) if response else "null"))
+    parts.append("}\n")
+    return "".join(parts).encode("utf-8")
+
+
+def _json_text(body: Body) -> str:
+    if body.json_text is not None:
+        return body.json_text
+    return "null" if body.value is None else json.dumps(body.value, ensure_ascii=False)
+
+
+def merge_fields(body: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``body`` with ``fields`` (dotted keys for nested ones) set."""
+    merged = dict(body)
+    for dotted, value in fields.items():
+        *parents, leaf = dotted.split(".")
+        target = merged
+        for key in parents:
+            target[key] = dict(target.get(key) or {})
+            target = target[key]
+        target[leaf] = value
+    return merged
+
+
+def upstream_body(record: dict[str, Any]) -> Any:
+    """The JSON body that was sent upstream, from a parsed record."""
+    if record.get("upstream_request") is not None:
+        return record["upstream_request"]
+    request = record.get("request")
+    if isinstance(request, dict) and record.get("injected"):
+        return merge_fields(request, record["injected"])
+    return request

@@ -1,0 +1,94 @@
+"""Which session a request belongs to, and keeping the client's credentials off disk and away from upstream.
+
+Harnesses cannot be told to send a session id, but every one of them sends an API key, so the
+rollout runner sets the key to the session id. The order of precedence:
+
+1. header ``x-polar-session``;
+2. a path prefix ``/s/<id>/...`` (stripped before forwarding);
+3. the API key (``Authorization: Bearer``, ``x-api-key``, ``x-goog-api-key``, ``?key=``) when it
+   looks like a session id and not like a provider secret;
+4. else a salted hash of the key (``key-<16 hex>``): calls with one real key group together, and
+   the key itself never reaches disk;
+5. else ``anonymous``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from urllib.parse import parse_qsl, urlencode
+
+SESSION_HEADER = "x-polar-session"
+SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+PATH_PREFIX = re.compile(r"^/s/([^/?]+)(/.*|$)")
+# Prefixes of real provider keys (OpenAI, Anthropic, Google, GitHub, Hugging Face, xAI, Groq, ...):
+# such a key is a secret even when it matches SESSION_ID, so it is hashed, never stored.
+SECRET_PREFIXES = ("sk-", "sk_", "AIza", "ghp_", "gho_", "github_pat_", "hf_", "xai-", "gsk_", "r8_", "pplx-", "nvapi-")
+CREDENTIAL_HEADERS = ("authorization", "x-api-key", "x-goog-api-key")
+# Never recorded: credentials and cookies.
+PRIVATE_HEADERS = frozenset(CREDENTIAL_HEADERS + ("cookie", "proxy-authorization", "api-key"))
+
+
+@dataclass(frozen=True)
+class Session:
+    id: str
+    source: str  # header | path | api_key | key_hash | anonymous
+    path: str  # the request path with a session prefix and any ?key= removed
+    credential_header: str | None  # where the client put its key, so the upstream key goes there too
+
+
+def is_session_id(value: str) -> bool:
+    return SESSION_ID.fullmatch(value) is not None
+
+
+def looks_secret(key: str) -> bool:
+    return key.startswith(SECRET_PREFIXES)
+
+
+def resolve(headers: dict[str, str], path: str, salt: bytes) -> Session:
+    """``headers`` with lower-case names; ``path`` with its query string."""
+    path, query_key = _pop_query_key(path)
+    path_id = None
+    if m := PATH_PREFIX.match(path):
+        path_id, path = m.group(1), m.group(2) or "/"
+    key, credential_header = _client_key(headers, query_key)
+
+    explicit = headers.get(SESSION_HEADER, "").strip()
+    if explicit and is_session_id(explicit):
+        return Session(explicit, "header", path, credential_header)
+    if path_id and is_session_id(path_id):
+        return Session(path_id, "path", path, credential_header)
+    if key and is_session_id(key) and not looks_secret(key):
+        return Session(key, "api_key", path, credential_header)
+    if key:
+        digest = hashlib.sha256(salt + key.encode("utf-8", "surrogateescape")).hexdigest()
+        return Session(f"key-{digest[:16]}", "key_hash", path, credential_header)
+    return Session("anonymous", "anonymous", path, credential_header)
+
+
+def _client_key(headers: dict[str, str], query_key: str | None) -> tuple[str | None, str | None]:
+    auth = headers.get("authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip(), "authorization"
+    for name in ("x-api-key", "x-goog-api-key"):
+        if value := headers.get(name, "").strip():
+            return value, name
+    if query_key:
+        return query_key, "query"
+    return None, None
+
+
+def _pop_query_key(path: str) -> tuple[str, str | None]:
+    """Remove ``key=`` (Google's API-key parameter) from the query string."""
+    base, sep, query = path.partition("?")
+    if not sep or "key=" not in query:
+        return path, None
+    pairs = parse_qsl(query, keep_blank_values=True)
+    key = next((v for k, v in pairs if k == "key"), None)
+    rest = [(k, v) for k, v in pairs if k != "key"]
+    return (base + "?" + urlencode(rest) if rest else base), key
+
+
+def recordable_headers(headers: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k not in PRIVATE_HEADERS}
