@@ -155,6 +155,11 @@ class Polar:
                 "Use --listen-host 127.0.0.1 unless other machines must reach it.",
                 host or "all interfaces",
             )
+        if ctx.options.connection_strategy == "eager":
+            # Eager reverse mode dials the upstream when the client connects and, if that fails,
+            # hangs up without an answer or a flow; lazy dials per request, so the refusal
+            # reaches the client as a 502 and the record says why.
+            ctx.options.connection_strategy = "lazy"
         _answer_proxy_errors_in_json()
 
     def done(self) -> None:
