@@ -64,8 +64,8 @@ def token_fields(body: dict[str, Any], upstream: str) -> dict[str, Any]:
     return added
 
 
-def splice(json_text: str, body: dict[str, Any], added: dict[str, Any]) -> tuple[bytes, bool]:
-    """The upstream body: ``json_text`` with ``added`` fields, and whether it is a pure addition.
+def splice(raw: bytes, body: dict[str, Any], added: dict[str, Any]) -> tuple[bytes, bool]:
+    """The upstream body: the client's ``raw`` JSON with ``added`` fields, and whether it is a pure addition.
 
     New fields are spliced in after the opening brace, so a 100 KB prompt is not re-serialised.
     A nested field inside an object the client sent (its own ``stream_options``) forces a full
@@ -81,11 +81,11 @@ def splice(json_text: str, body: dict[str, Any], added: dict[str, Any]) -> tuple
         else:
             return json.dumps(merge_fields(body, added), ensure_ascii=False).encode("utf-8"), False
     if not new:
-        return json_text.encode("utf-8"), True
-    head = json.dumps(new, ensure_ascii=False)[1:-1]
-    rest = json_text.lstrip()[1:]  # after "{"
-    sep = "" if rest.lstrip().startswith("}") else ","
-    return ("{" + head + sep + rest).encode("utf-8"), True
+        return raw, True
+    head = json.dumps(new).encode("ascii")[1:-1]
+    rest = raw[raw.index(b"{") + 1 :]
+    sep = b"" if rest.lstrip().startswith(b"}") else b","
+    return b"{" + head + sep + rest, True
 
 
 def error_body(status: int, message: str, kind: str = "upstream_error") -> dict[str, Any]:

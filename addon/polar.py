@@ -77,13 +77,9 @@ class Tee:
         self.exchange = exchange
 
     def __call__(self, data: bytes) -> bytes:
-        ex = self.exchange
-        now = time.time()
         if data:
-            if ex.t_first_byte is None:
-                ex.t_first_byte = now
-            ex.chunks.append(data)
-            ex.chunk_times.append(now)
+            self.exchange.chunks.append(data)
+            self.exchange.chunk_times.append(time.time())
         return data
 
 
@@ -155,7 +151,7 @@ class Polar:
                 "Use --listen-host 127.0.0.1 unless other machines must reach it.",
                 host or "all interfaces",
             )
-        if ctx.options.connection_strategy == "eager":
+        if "connection_strategy" in ctx.options and ctx.options.connection_strategy == "eager":
             # Eager reverse mode dials the upstream when the client connects and, if that fails,
             # hangs up without an answer or a flow; lazy dials per request, so the refusal
             # reaches the client as a 502 and the record says why.
@@ -168,18 +164,23 @@ class Polar:
             self.writer = None
 
     @guarded
-    def requestheaders(self, flow: http.HTTPFlow) -> None:
+    def request(self, flow: http.HTTPFlow) -> None:
+        # One hook for the whole request: each hook a script defines costs every flow a dispatch.
         headers = {k.lower(): v for k, v in flow.request.headers.items()}
+        for name in session.CREDENTIAL_HEADERS:  # first, so no later failure can forward them
+            flow.request.headers.pop(name, None)
         found = session.resolve(headers, flow.request.path, self.salt)
         flow.request.path = found.path
-        for name in session.CREDENTIAL_HEADERS:
-            flow.request.headers.pop(name, None)
         if self.upstream_key:
             self._set_upstream_key(flow, found.credential_header)
         flow.request.headers[session.SESSION_HEADER] = found.id
         # The tee must see plain bytes; a gzipped stream could not be recorded chunk by chunk.
         flow.request.headers["accept-encoding"] = "identity"
-        flow.metadata[METADATA_KEY] = Exchange(
+        try:
+            data = flow.request.content or b""
+        except ValueError:  # a content-encoding we cannot undo: record the bytes as sent
+            data = flow.request.raw_content or b""
+        ex = Exchange(
             session_id=found.id,
             session_source=found.source,
             api=detect_api(found.path),
@@ -188,7 +189,23 @@ class Polar:
             path=found.path,
             t_start=flow.request.timestamp_start or time.time(),
             request_headers=session.recordable_headers(headers),
+            request=Body.parse(data),
         )
+        flow.metadata[METADATA_KEY] = ex
+        if self.writer is not None and self.writer.failure and ex.api != "other":
+            message = f"polar is not recording ({self.writer.failure}); refusing model calls until it is"
+            flow.response = _json_response(503, chat.error_body(503, message, "capture_unavailable"))
+            ex.error = {"kind": "addon", "message": message}
+            return
+        body = ex.request.value
+        if ex.api == "chat" and isinstance(body, dict) and ex.request.json_text is not None:
+            added = chat.token_fields(body, self.upstream)
+            if added:
+                sent, pure_addition = chat.splice(data, body, added)
+                flow.request.content = sent
+                ex.injected = added
+                if not pure_addition:
+                    ex.upstream_request = Body.parse(sent)
 
     def _set_upstream_key(self, flow: http.HTTPFlow, where: str | None) -> None:
         if where == "query":
@@ -199,40 +216,18 @@ class Polar:
             flow.request.headers["authorization"] = f"Bearer {self.upstream_key}"
 
     @guarded
-    def request(self, flow: http.HTTPFlow) -> None:
-        ex = flow.metadata.get(METADATA_KEY)
-        if not isinstance(ex, Exchange):
-            return
-        try:
-            data = flow.request.content or b""
-        except ValueError:  # a content-encoding we cannot undo: record the bytes as sent
-            data = flow.request.raw_content or b""
-        ex.request = Body.parse(data)
-        if self.writer is not None and self.writer.failure and ex.api != "other":
-            message = f"polar is not recording ({self.writer.failure}); refusing model calls until it is"
-            flow.response = _json_response(503, chat.error_body(503, message, "capture_unavailable"))
-            ex.error = {"kind": "addon", "message": message}
-            return
-        body = ex.request.value
-        if ex.api == "chat" and isinstance(body, dict) and ex.request.json_text is not None:
-            added = chat.token_fields(body, self.upstream)
-            if added:
-                sent, pure_addition = chat.splice(ex.request.json_text, body, added)
-                flow.request.content = sent
-                ex.injected = added
-                if not pure_addition:
-                    ex.upstream_request = Body.parse(sent)
-
-    @guarded
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         ex = flow.metadata.get(METADATA_KEY)
         if not isinstance(ex, Exchange) or flow.response is None:
             return
+        ex.t_first_byte = time.time()
         ex.status = flow.response.status_code
         ex.response_headers = dict(flow.response.headers.items())
         ex.streamed = flow.response.headers.get("content-type", "").startswith("text/event-stream")
         ex.content_encoding = flow.response.headers.get("content-encoding", "")
-        if ex.status != 101:  # a protocol upgrade carries no body to tee
+        # Only event streams are teed: mitmproxy forwards a JSON answer in one piece once it is
+        # complete anyway, and streaming it chunk-wise costs ~2 ms per call on loopback.
+        if ex.streamed:
             flow.response.stream = Tee(ex)
 
     @guarded
@@ -243,7 +238,8 @@ class Polar:
         if ex.status is None:  # answered by the addon itself, without an upstream
             ex.status = flow.response.status_code
             ex.response_headers = dict(flow.response.headers.items())
-            ex.chunks, ex.chunk_times = [flow.response.content or b""], [time.time()]
+        if not ex.streamed:  # buffered by mitmproxy, still content-encoded: encode() undoes that
+            ex.chunks, ex.chunk_times = [flow.response.raw_content or b""], [time.time()]
         ex.complete = ex.error is None
         self._submit(ex)
 

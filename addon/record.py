@@ -29,7 +29,8 @@ field                  meaning
 ``status``             upstream HTTP status, or null when no response arrived
 ``streamed``           true when the response was ``text/event-stream``
 ``t_start``            Unix seconds when the client's request began
-``t_first_byte``       Unix seconds of the first response body byte from upstream, or null
+``t_first_byte``       Unix seconds when the upstream's answer began (its headers), or null;
+                       when each streamed chunk arrived is in ``chunks``
 ``t_end``              Unix seconds when the exchange ended (finished, failed or abandoned)
 ``request_headers``    client headers, credentials and cookies removed
 ``response_headers``   upstream response headers, or null
@@ -43,7 +44,8 @@ field                  meaning
 ``response``           the upstream's JSON body exactly as received, or null
 ``response_stream``    the streamed body (SSE text) exactly as received, or null
 ``response_raw``       null, or a body that is neither: ``{"text": str}`` or ``{"base64": str}``
-``chunks``             ``[[ms since t_start, bytes], ...]`` per network chunk received
+``chunks``             ``[[ms since t_start, bytes], ...]`` per network chunk of a stream (one
+                       entry for a buffered answer)
 ``complete``           false when the exchange did not finish (stream broken, client gone, error)
 ``error``              null, or ``{"kind": str, "message": str}``: ``upstream`` (refused, reset),
                        ``client`` (disconnected), ``decode`` (content-encoding), ``addon``

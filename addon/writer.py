@@ -76,7 +76,16 @@ class CaptureWriter:
                         lines.append(encode(item, self.decode_content))
                     except Exception:  # a bug here loses this record only
                         log.exception("polar: could not encode record %s; it is lost", item.id)
-            self._write_until_done(b"".join(lines))
+            group: list[bytes] = []
+            size = self._size
+            for line in lines:  # one write per burst, but a file ends near its size limit
+                group.append(line)
+                size += len(line)
+                if size >= self.rotate_bytes:
+                    self._write_until_done(b"".join(group))
+                    group, size = [], 0
+            if group:
+                self._write_until_done(b"".join(group))
             if stop:
                 return
 

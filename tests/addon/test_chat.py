@@ -38,7 +38,7 @@ def test_plain_adds_nothing():
 def test_splice_adds_fields_without_touching_the_rest(text):
     body = json.loads(text)
     added = token_fields(body, "vllm")
-    sent, pure = splice(text, body, added)
+    sent, pure = splice(text.encode(), body, added)
     assert pure
     expected = dict(body, logprobs=True, top_logprobs=0, return_token_ids=True)
     if body.get("stream"):
@@ -49,7 +49,7 @@ def test_splice_adds_fields_without_touching_the_rest(text):
 
 def test_splice_into_clients_own_object_redumps():
     body = {"stream": True, "stream_options": {"continuous_usage_stats": True}}
-    sent, pure = splice(json.dumps(body), body, token_fields(body, "vllm"))
+    sent, pure = splice(json.dumps(body).encode(), body, token_fields(body, "vllm"))
     assert not pure
     assert json.loads(sent)["stream_options"] == {"continuous_usage_stats": True, "include_usage": True}
 

@@ -51,11 +51,14 @@ def tctx(addon, tmp_path):
 
 
 def run_exchange(addon, flow, chunks, **response):
-    addon.requestheaders(flow)
+    """Play an exchange through the hooks; a stream goes through the tee, a JSON answer is buffered."""
     addon.request(flow)
     set_response(flow, **response)
     addon.responseheaders(flow)
-    passed = [flow.response.stream(c) for c in [*chunks, b""]]
+    if flow.response.stream:
+        passed = [flow.response.stream(c) for c in [*chunks, b""]]
+    else:
+        flow.response.raw_content = passed = b"".join(chunks)
     addon.response(flow)
     return passed
 
@@ -130,7 +133,6 @@ def test_bad_json_on_chat_path_is_forwarded_as_is(addon, tctx, tmp_path):
 
 def test_client_disconnect_keeps_incomplete_record(addon, tctx, tmp_path):
     flow = make_chat_flow(stream=True)
-    addon.requestheaders(flow)
     addon.request(flow)
     set_response(flow, content_type="text/event-stream")
     addon.responseheaders(flow)
@@ -145,7 +147,6 @@ def test_client_disconnect_keeps_incomplete_record(addon, tctx, tmp_path):
 
 def test_upstream_refused_is_recorded(addon, tctx, tmp_path):
     flow = make_chat_flow()
-    addon.requestheaders(flow)
     addon.request(flow)
     flow.error = tflow.terr("Connection refused")
     addon.error(flow)
@@ -168,10 +169,10 @@ def test_gzip_response_is_decoded_in_the_record(addon, tctx, tmp_path):
 def test_upstream_key_replaces_client_credential(addon, tctx):
     tctx.configure(addon, polar_upstream_key="upstream-secret")
     flow = make_chat_flow(headers=((b"x-api-key", b"sk-ant-client-secret"),), path="/v1/messages")
-    addon.requestheaders(flow)
+    addon.request(flow)
     assert flow.request.headers["x-api-key"] == "upstream-secret"
     flow = make_chat_flow(path="/v1beta/models/m:generateContent?key=AIzaClient")
-    addon.requestheaders(flow)
+    addon.request(flow)
     assert flow.request.query["key"] == "upstream-secret"
 
 
@@ -192,7 +193,6 @@ def test_provider_secret_never_reaches_disk(addon, tctx, tmp_path):
 def test_failed_writer_refuses_model_calls(addon, tctx, tmp_path):
     addon.writer.failure = "OSError: disk full"
     flow = make_chat_flow()
-    addon.requestheaders(flow)
     addon.request(flow)
     assert flow.response.status_code == 503
     assert "not recording" in json.loads(flow.response.content)["error"]["message"]
@@ -221,14 +221,14 @@ def test_bad_options_are_refused(addon, tctx):
 
 
 def test_hook_error_is_contained(addon, tctx, tmp_path, caplog, monkeypatch):
-    flow = make_chat_flow()
-    addon.requestheaders(flow)
+    flow = make_chat_flow(headers=((b"authorization", b"Bearer sk-secret"),))
     monkeypatch.setattr(polar.chat, "token_fields", lambda *a: 1 / 0)
     addon.request(flow)  # must not raise
     assert "request failed" in caplog.text
+    assert "authorization" not in flow.request.headers  # the credential is gone all the same
     set_response(flow)
     addon.responseheaders(flow)
-    flow.response.stream(b"{}")
+    flow.response.raw_content = b"{}"
     addon.response(flow)
     addon.done()
     (rec,) = read_records(tmp_path / "captures")
