@@ -11,6 +11,7 @@ library and mitmproxy, so a standalone mitmproxy can load it.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import ipaddress
 import json
@@ -198,7 +199,7 @@ class Polar:
             ex.error = {"kind": "addon", "message": message}
             return
         body = ex.request.value
-        if ex.api == "chat" and isinstance(body, dict) and ex.request.json_text is not None:
+        if ex.api == "chat" and isinstance(body, dict):
             added = chat.token_fields(body, self.upstream)
             if added:
                 sent, pure_addition = chat.splice(data, body, added)
@@ -261,7 +262,14 @@ class Polar:
             return
         ex.written = True
         ex.t_end = time.time()
-        self.writer.submit(ex)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a hook called directly, outside mitmproxy
+            self.writer.submit(ex)
+            return
+        # Hand over once this event-loop step is done: mitmproxy sends the answer to the client
+        # after the response hook, and a writer woken now would compete with that for the GIL.
+        loop.call_soon(self.writer.submit, ex)
 
 
 def _load_salt(path: Path) -> bytes:

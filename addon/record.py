@@ -41,9 +41,10 @@ field                  meaning
 ``upstream_request``   the body sent upstream when it differs from ``request`` in more than the
                        ``injected`` keys (null otherwise: then it is ``request`` with ``injected``
                        merged in, see :func:`upstream_body`)
-``response``           the upstream's JSON body exactly as received, or null
-``response_stream``    the streamed body (SSE text) exactly as received, or null
-``response_raw``       null, or a body that is neither: ``{"text": str}`` or ``{"base64": str}``
+``response_body``      the upstream's body as received (content-encoding undone), as text: JSON or the
+                       SSE stream; null when there was none or it is not UTF-8. Kept as text, not
+                       parsed: the proxy only records, reconstruction interprets
+``response_b64``       the body in base64 when it is not UTF-8 (e.g. torn inside a character)
 ``chunks``             ``[[ms since t_start, bytes], ...]`` per network chunk of a stream (one
                        entry for a buffered answer)
 ``complete``           false when the exchange did not finish (stream broken, client gone, error)
@@ -74,13 +75,13 @@ def new_record_id() -> str:
 class Body:
     """A message body as captured: parsed JSON when it is JSON, else raw.
 
-    ``json_text`` keeps the exact text (with line breaks folded to spaces, which is lossless
-    outside JSON strings, where they cannot occur unescaped) so a record line embeds it without
-    re-serialising a 100 KB prompt on every call.
+    ``json_bytes`` keeps the exact bytes (line breaks folded to spaces, which is lossless: outside
+    strings they are whitespace, inside strings JSON allows them only escaped) so a record line
+    embeds a 100 KB prompt without re-serialising it.
     """
 
     value: Any = None
-    json_text: str | None = None
+    json_bytes: bytes | None = None
     raw: dict[str, str] | None = None
 
     @classmethod
@@ -88,15 +89,14 @@ class Body:
         if not data:
             return cls()
         try:
-            text = data.decode("utf-8")
-            value = json.loads(text)
+            value = json.loads(data.decode("utf-8"))  # strict UTF-8: the record line must be UTF-8
         except (UnicodeDecodeError, ValueError):
             return cls(raw=raw_body(data))
-        return cls(value=value, json_text=text.replace("\r", " ").replace("\n", " "))
+        return cls(value=value, json_bytes=data.replace(b"\r", b" ").replace(b"\n", b" "))
 
     @property
     def is_json(self) -> bool:
-        return self.json_text is not None
+        return self.json_bytes is not None
 
 
 def raw_body(data: bytes) -> dict[str, str]:
@@ -147,16 +147,12 @@ def encode(ex: Exchange, decode_content: Any) -> bytes:
             body = decode_content(body, ex.content_encoding)
         except Exception as e:  # keep the encoded bytes rather than lose the response
             error = error or {"kind": "decode", "message": f"{ex.content_encoding}: {e}"}
-    response, response_stream, response_raw = None, None, None
-    if ex.streamed:
+    response_body, response_b64 = None, None
+    if body:
         try:
-            response_stream = body.decode("utf-8")
-        except UnicodeDecodeError:  # e.g. a stream torn inside a multi-byte character
-            response_raw = raw_body(body)
-    elif body:
-        response = Body.parse(body)
-        if not response.is_json:
-            response_raw, response = response.raw, None
+            response_body = body.decode("utf-8")
+        except UnicodeDecodeError:
+            response_b64 = base64.b64encode(body).decode("ascii")
     head = {
         "v": FORMAT_VERSION,
         "id": ex.id,
@@ -178,22 +174,26 @@ def encode(ex: Exchange, decode_content: Any) -> bytes:
         "injected": ex.injected,
         "chunks": [[round((t - ex.t_start) * 1000, 3), len(c)] for t, c in zip(ex.chunk_times, ex.chunks)],
         "request_raw": ex.request.raw,
-        "response_stream": response_stream,
-        "response_raw": response_raw,
+        "response_b64": response_b64,
+        "response_body": response_body,
     }
-    parts = [json.dumps(head, ensure_ascii=False)[:-1]]
-    # The large bodies go last, spliced in as the text they arrived as.
-    parts.append(', "request": ' + _json_text(ex.request))
-    parts.append(', "upstream_request": ' + (_json_text(ex.upstream_request) if ex.upstream_request else "null"))
-    parts.append(', "response": ' + (_json_text(response) if response else "null"))
-    parts.append("}\n")
-    return "".join(parts).encode("utf-8")
+    # The request bodies go last, spliced in as the bytes they arrived as.
+    return b"".join(
+        (
+            json.dumps(head, ensure_ascii=False).encode("utf-8")[:-1],
+            b', "request": ',
+            _json_bytes(ex.request),
+            b', "upstream_request": ',
+            _json_bytes(ex.upstream_request) if ex.upstream_request else b"null",
+            b"}\n",
+        )
+    )
 
 
-def _json_text(body: Body) -> str:
-    if body.json_text is not None:
-        return body.json_text
-    return "null" if body.value is None else json.dumps(body.value, ensure_ascii=False)
+def _json_bytes(body: Body) -> bytes:
+    if body.json_bytes is not None:
+        return body.json_bytes
+    return b"null" if body.value is None else json.dumps(body.value, ensure_ascii=False).encode("utf-8")
 
 
 def merge_fields(body: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:

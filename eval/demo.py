@@ -106,10 +106,11 @@ def run_chat(base_url: str, workspace: Path) -> int:
 def sampled_tokens(record: dict) -> tuple[list[int], list[int], list[float]]:
     """Prompt ids, sampled ids and their log-probs from a vLLM-shaped Chat Completions record."""
     if not record["streamed"]:
-        choice = record["response"]["choices"][0]
-        return record["response"]["prompt_token_ids"], choice["token_ids"], [t["logprob"] for t in choice["logprobs"]["content"]]
+        response = json.loads(record["response_body"])
+        choice = response["choices"][0]
+        return response["prompt_token_ids"], choice["token_ids"], [t["logprob"] for t in choice["logprobs"]["content"]]
     prompt, ids, logprobs = [], [], []
-    for block in record["response_stream"].split("\n\n"):
+    for block in record["response_body"].split("\n\n"):
         if not block.startswith("data: {"):
             continue
         event = json.loads(block[6:])

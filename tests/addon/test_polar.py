@@ -72,7 +72,7 @@ def test_streamed_chat_is_teed_and_recorded(addon, tctx, tmp_path):
     (rec,) = read_records(tmp_path / "captures")
     assert rec["v"] == 1 and rec["session_id"] == "sess-1" and rec["session_source"] == "api_key"
     assert rec["api"] == "chat" and rec["streamed"] and rec["complete"] and rec["error"] is None
-    assert rec["response_stream"] == b"".join(chunks).decode()
+    assert rec["response_body"] == b"".join(chunks).decode()
     assert rec["injected"] == {"logprobs": True, "top_logprobs": 0, "return_token_ids": True, "stream_options.include_usage": True}
     assert [n for _, n in rec["chunks"]] == [len(c) for c in chunks]
     assert rec["t_start"] <= rec["t_first_byte"] <= rec["t_end"]
@@ -88,7 +88,7 @@ def test_non_streamed_json_response_is_parsed(addon, tctx, tmp_path):
     run_exchange(addon, flow, [json.dumps(payload).encode()[:10], json.dumps(payload).encode()[10:]])
     addon.done()
     (rec,) = read_records(tmp_path / "captures")
-    assert rec["response"] == payload and rec["response_stream"] is None and not rec["streamed"]
+    assert json.loads(rec["response_body"]) == payload and not rec["streamed"]
     assert rec["request"]["messages"] == [{"role": "user", "content": "hi"}]
     assert rec["upstream_request"] is None
 
@@ -119,7 +119,7 @@ def test_non_json_body_and_unknown_path_pass_untouched(addon, tctx, tmp_path):
     addon.done()
     (rec,) = read_records(tmp_path / "captures")
     assert rec["api"] == "other" and rec["request"] is None and "base64" in rec["request_raw"]
-    assert rec["response_raw"] == {"text": "plain text"}
+    assert rec["response_body"] == "plain text" and rec["response_b64"] is None
 
 
 def test_bad_json_on_chat_path_is_forwarded_as_is(addon, tctx, tmp_path):
@@ -142,7 +142,7 @@ def test_client_disconnect_keeps_incomplete_record(addon, tctx, tmp_path):
     addon.done()
     (rec,) = read_records(tmp_path / "captures")
     assert rec["complete"] is False and rec["error"]["kind"] == "client"
-    assert rec["response_stream"] == 'data: {"choices":[]}\n\n'
+    assert rec["response_body"] == 'data: {"choices":[]}\n\n'
 
 
 def test_upstream_refused_is_recorded(addon, tctx, tmp_path):
@@ -163,7 +163,7 @@ def test_gzip_response_is_decoded_in_the_record(addon, tctx, tmp_path):
     run_exchange(addon, flow, [body], headers=((b"content-encoding", b"gzip"),))
     assert flow.request.headers["accept-encoding"] == "identity"
     addon.done()
-    assert read_records(tmp_path / "captures")[0]["response"] == {"ok": True}
+    assert read_records(tmp_path / "captures")[0]["response_body"] == '{"ok": true}'
 
 
 def test_upstream_key_replaces_client_credential(addon, tctx):

@@ -62,9 +62,10 @@ def sse_events(text):
 def tokens_of(record):
     """(prompt ids, completion ids, completion log-probs) as vLLM sent them, streamed or not."""
     if not record["streamed"]:
-        choice = record["response"]["choices"][0]
-        return record["response"]["prompt_token_ids"], choice["token_ids"], [t["logprob"] for t in choice["logprobs"]["content"]]
-    events = sse_events(record["response_stream"])
+        response = json.loads(record["response_body"])
+        choice = response["choices"][0]
+        return response["prompt_token_ids"], choice["token_ids"], [t["logprob"] for t in choice["logprobs"]["content"]]
+    events = sse_events(record["response_body"])
     prompt = events[0]["prompt_token_ids"]
     ids = [i for e in events for c in e["choices"] for i in c.get("token_ids") or []]
     logprobs = [t["logprob"] for e in events for c in e["choices"] for t in (c.get("logprobs") or {}).get("content") or []]
@@ -217,7 +218,7 @@ def test_non_json_body_is_forwarded_and_recorded(proxy, scripted):
     assert proxied.json()["error"]["type"] == direct.json()["error"]["type"]
     (record,) = read_records(proxy.captures, session="sess-nonjson", expect=1)
     assert record["request"] is None and record["request_raw"] == {"text": "not json{"}
-    assert record["injected"] == {} and record["status"] == 400 and record["response"]["error"]
+    assert record["injected"] == {} and record["status"] == 400 and json.loads(record["response_body"])["error"]
 
 
 def test_upstream_down_gives_openai_error(tmp_path):
@@ -248,7 +249,7 @@ def test_client_disconnect_mid_stream_keeps_partial_record(slow_upstream, tmp_pa
         assert first.startswith(b"data: ")
         (record,) = read_records(tmp_path / "captures", expect=1)
     assert record["complete"] is False and record["error"]["kind"] == "client"
-    assert record["response_stream"].startswith(first.decode()) and len(sse_events(record["response_stream"])) < 50
+    assert record["response_body"].startswith(first.decode()) and len(sse_events(record["response_body"])) < 50
 
 
 def test_kill_9_loses_no_finished_record(slow_upstream, tmp_path):
