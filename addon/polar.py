@@ -63,7 +63,8 @@ def guarded(hook: Callable[..., None]) -> Callable[..., None]:
         try:
             hook(self, flow)
         except Exception as e:
-            log.exception("polar: %s failed for %s", hook.__name__, flow.request.pretty_url)
+            # The path only: a query string may still hold a ?key= secret.
+            log.exception("polar: %s failed for %s %s", hook.__name__, flow.request.method, flow.request.path.partition("?")[0])
             ex = flow.metadata.get(METADATA_KEY)
             if isinstance(ex, Exchange) and ex.error is None:
                 ex.error = {"kind": "addon", "message": f"{hook.__name__}: {type(e).__name__}: {e}"}
