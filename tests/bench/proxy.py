@@ -1,0 +1,433 @@
+"""Benchmark the capture proxy's overhead: direct vs bare mitmdump vs mitmdump + addon/polar.py.
+
+Run:  make bench
+  or  .venv/bin/python -m tests.bench.proxy [--quick] [--out tests/bench/results/proxy.md]
+
+Starts the fake vLLM upstream (``tests/bench/upstream.py``) and two reverse proxies on loopback:
+  mitmdump --mode reverse:http://127.0.0.1:UP --listen-host 127.0.0.1 -p P1 -q
+  mitmdump --mode reverse:http://127.0.0.1:UP --listen-host 127.0.0.1 -p P2 -q \
+      -s addon/polar.py --set polar_dir=<tmp> --set polar_upstream=vllm
+then, over rounds that rotate the order of the three paths (so load from other processes hits
+them alike), measures (a) latency of non-streamed ~100 KB agent requests, (b) first byte and total
+time of 200-chunk SSE streams, (c) requests/s at concurrency 1 (the sequential run of (a)) and 16
+(one keep-alive httpx.Client per thread), plus the proxy's own CPU time per request. Prints a
+table with the targets (addon median <= 1.15x bare, first byte <= direct + 5 ms, throughput >= 90 %
+of bare) and writes it as Markdown, with the raw numbers as JSON next to it.
+
+Client, upstream and proxies share the machine's cores, so absolute numbers depend on it; compare
+ratios, and the CPU rows when the machine is busy. Bare mitmdump buffers SSE (it streams only when
+an addon sets ``flow.response.stream``), so its first byte is its total time. Exit status 0 when
+every path ran cleanly (targets may still MISS: this is a benchmark, not a test); 1 when the addon
+did not load, a path returned errors, or the addon wrote no capture records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from importlib.metadata import version
+from pathlib import Path
+
+import httpx
+import tyro
+from rich.console import Console
+from rich.progress import Progress
+
+from tests.bench.payload import chat_body
+from tests.bench.procs import ROOT, cpu_seconds, start_mitmdump, start_upstream, stop
+from tests.bench.report import console_tables, evaluate, markdown, summarize
+
+URL_PATH = "/v1/chat/completions"
+# The API key doubles as the session id for the addon (addon/session.py).
+HEADERS = {"content-type": "application/json", "authorization": "Bearer bench-session"}
+MAX_ERRORS = 20  # a path that fails this often is dropped for the rest of the run
+
+
+@dataclasses.dataclass
+class Config:
+    """Proxy overhead benchmark."""
+
+    quick: bool = False
+    """Short run (about 20 s): fewer rounds and requests, noisier numbers."""
+    out: Path = Path("tests/bench/results/proxy.md")
+    """Markdown results file (relative to the repository root); the JSON goes next to it as .json."""
+    addon: Path = Path("addon/polar.py")
+    """Capture addon loaded by the third path (relative to the repository root)."""
+    # ---- workload
+    body_kb: int = 100
+    """Size of each non-streamed JSON request body, in KB."""
+    stream_body_kb: int = 100
+    """Size of each streamed request body, in KB (agents resend the whole history every turn)."""
+    chunks: int = 200
+    """SSE chunks per streamed response."""
+    concurrency: int = 16
+    """Client threads (one keep-alive connection each) for the concurrent throughput run."""
+
+    def __post_init__(self) -> None:
+        if min(self.body_kb, self.stream_body_kb, self.chunks) < 1 or self.concurrency < 2:
+            raise ValueError("--body-kb, --stream-body-kb and --chunks must be >= 1, --concurrency >= 2")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    rounds: int
+    seq: int  # non-streamed requests per path per round
+    streams: int  # streamed requests per path per round
+    conc: int  # requests per path per round in the concurrent run
+    limit_s: int  # hard bound on every child process's life
+
+
+def make_plan(cfg: Config) -> Plan:
+    """Many short rounds, a multiple of 3 so that each path goes first, second and third equally often."""
+    if cfg.quick:  # about 20 s on 2 cores
+        return Plan(rounds=3, seq=50, streams=6, conc=6 * cfg.concurrency, limit_s=300)
+    return Plan(rounds=12, seq=75, streams=10, conc=10 * cfg.concurrency, limit_s=900)  # about 100 s
+
+
+@dataclasses.dataclass
+class Target:
+    """One path to the upstream, with its clients and everything measured on it."""
+
+    name: str  # direct | mitmdump | addon
+    base_url: str
+    proc: subprocess.Popen[bytes] | None = None
+    cpu_pid: int | None = None  # the mitmdump process itself (proc may be its `timeout` wrapper)
+    log: Path | None = None
+    client: httpx.Client | None = None
+    pool: list[httpx.Client] = dataclasses.field(default_factory=list)
+    requests: int = 0  # everything sent, warm-up included (the addon should record each one)
+    errors: int = 0
+    error_samples: list[str] = dataclasses.field(default_factory=list)
+    lat_ms: list[float] = dataclasses.field(default_factory=list)
+    ttfb_ms: list[float] = dataclasses.field(default_factory=list)
+    stream_ms: list[float] = dataclasses.field(default_factory=list)
+    rps1: list[float] = dataclasses.field(default_factory=list)  # one value per round
+    rpsn: list[float] = dataclasses.field(default_factory=list)
+    cpu_s: dict[str, float] = dataclasses.field(default_factory=dict)  # proxy CPU seconds per workload
+    cpu_n: dict[str, int] = dataclasses.field(default_factory=dict)  # requests per workload
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    @property
+    def alive(self) -> bool:
+        return self.errors < MAX_ERRORS and (self.proc is None or self.proc.poll() is None)
+
+    def sent(self) -> None:
+        with self.lock:  # the concurrent run's threads count here too
+            self.requests += 1
+
+    def fail(self, what: str) -> None:
+        with self.lock:
+            self.errors += 1
+            if len(self.error_samples) < 5:
+                self.error_samples.append(what[:300])
+
+    def open_clients(self, concurrency: int) -> None:
+        def client() -> httpx.Client:
+            limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+            return httpx.Client(base_url=self.base_url, timeout=30.0, limits=limits)
+
+        self.client = client()
+        self.pool = [client() for _ in range(concurrency)]
+
+    def close_clients(self) -> None:
+        for c in [self.client, *self.pool]:
+            if c is not None:
+                c.close()
+
+
+# ---------------------------------------------------------------- measurements
+
+
+def _post(t: Target, c: httpx.Client, body: bytes) -> bool:
+    t.sent()
+    try:
+        r = c.post(URL_PATH, content=body, headers=HEADERS)
+    except httpx.HTTPError as e:
+        t.fail(f"{type(e).__name__}: {e}")
+        return False
+    if r.status_code != 200:
+        t.fail(f"HTTP {r.status_code}: {r.text[:200]}")
+        return False
+    return True
+
+
+def run_sequential(t: Target, body: bytes, n: int, record: bool = True) -> None:
+    """n non-streamed requests on one connection: latency samples and requests/s at concurrency 1."""
+    assert t.client is not None
+    lat: list[float] = []
+    start = time.perf_counter()
+    for _ in range(n):
+        if not t.alive:
+            return
+        t0 = time.perf_counter()
+        if _post(t, t.client, body):
+            lat.append((time.perf_counter() - t0) * 1e3)
+    if record:
+        t.lat_ms += lat
+        t.rps1.append(len(lat) / (time.perf_counter() - start))
+
+
+def run_streams(t: Target, body: bytes, n: int, chunks: int, record: bool = True) -> None:
+    """n streamed requests: time to the first body bytes and to the end of the stream."""
+    assert t.client is not None
+    for _ in range(n):
+        if not t.alive:
+            return
+        t.sent()
+        parts: list[bytes] = []
+        first = 0.0
+        t0 = time.perf_counter()
+        try:
+            with t.client.stream("POST", URL_PATH, content=body, headers=HEADERS) as r:
+                for raw in r.iter_raw():
+                    if raw and not first:
+                        first = time.perf_counter()
+                    parts.append(raw)
+        except httpx.HTTPError as e:
+            t.fail(f"stream {type(e).__name__}: {e}")
+            continue
+        end = time.perf_counter()
+        events = b"".join(parts).count(b"data: ")
+        if r.status_code != 200 or events != chunks + 1:  # every chunk and [DONE] must come through
+            t.fail(f"stream HTTP {r.status_code}, {events} events (want {chunks + 1})")
+        elif record:
+            t.ttfb_ms.append((first - t0) * 1e3)
+            t.stream_ms.append((end - t0) * 1e3)
+
+
+def run_concurrent(t: Target, body: bytes, n: int, record: bool = True) -> None:
+    """n non-streamed requests spread over the pool's threads, started together: requests/s."""
+    k = len(t.pool)
+    barrier = threading.Barrier(k + 1)
+
+    def worker(c: httpx.Client) -> int:
+        barrier.wait(timeout=30)
+        return sum(_post(t, c, body) for _ in range(n // k) if t.alive)
+
+    with ThreadPoolExecutor(k) as ex:
+        futures = [ex.submit(worker, c) for c in t.pool]
+        barrier.wait(timeout=30)
+        t0 = time.perf_counter()
+        ok = sum(f.result() for f in futures)
+        wall = time.perf_counter() - t0
+    if record and t.alive:
+        t.rpsn.append(ok / wall)
+
+
+def measure(targets: list[Target], cfg: Config, plan: Plan, console: Console) -> None:
+    body = json.dumps(chat_body(target_bytes=cfg.body_kb * 1000)).encode()
+    sreq = chat_body(target_bytes=cfg.stream_body_kb * 1000, stream=True) | {"bench_chunks": cfg.chunks}
+    sbody = json.dumps(sreq).encode()
+    workloads: list[tuple[str, Callable[[Target], None]]] = [
+        ("latency", lambda t: run_sequential(t, body, plan.seq)),
+        ("stream", lambda t: run_streams(t, sbody, plan.streams, cfg.chunks)),
+        ("concurrent", lambda t: run_concurrent(t, body, plan.conc)),
+    ]
+    console.print(
+        f"{plan.rounds} rounds x ({plan.seq} requests of {len(body) / 1000:.0f} KB, {plan.streams} streams of "
+        f"{cfg.chunks} chunks for {len(sbody) / 1000:.0f} KB requests, {plan.conc} requests at "
+        f"concurrency {cfg.concurrency}) per path"
+    )
+    with Progress(console=console) as prog:
+        task = prog.add_task("warm-up", total=len(targets) * (1 + plan.rounds * len(workloads)))
+        for t in targets:
+            prog.update(task, description=f"warm-up {t.name}")
+            run_sequential(t, body, 20, record=False)
+            run_streams(t, sbody, 2, cfg.chunks, record=False)
+            run_concurrent(t, body, 2 * cfg.concurrency, record=False)  # opens the pool's connections
+            prog.advance(task)
+        for r in range(plan.rounds):
+            order = targets[r % len(targets) :] + targets[: r % len(targets)]
+            for wname, run in workloads:
+                for t in order:
+                    prog.update(task, description=f"round {r + 1}/{plan.rounds} {wname:<10} {t.name}")
+                    gc.collect()
+                    cpu0, n0 = cpu_seconds(t.cpu_pid), t.requests
+                    run(t)
+                    if cpu0 is not None and (cpu1 := cpu_seconds(t.cpu_pid)) is not None:
+                        t.cpu_s[wname] = t.cpu_s.get(wname, 0.0) + cpu1 - cpu0
+                        t.cpu_n[wname] = t.cpu_n.get(wname, 0) + t.requests - n0
+                    prog.advance(task)
+
+
+# ---------------------------------------------------------------- main
+
+
+def start_paths(cfg: Config, plan: Plan, tmp: Path, polar_dir: Path, targets: list[Target]) -> str | None:
+    """Append direct, bare mitmdump and (if it loads) the addon path to ``targets``; the addon's error."""
+    up_proc, up_port = start_upstream(plan.limit_s)
+    targets.append(Target("direct", f"http://127.0.0.1:{up_port}", proc=up_proc))
+    addon = (ROOT / cfg.addon).resolve()
+    addon_args = ["-s", str(addon), "--set", f"polar_dir={polar_dir}", "--set", "polar_upstream=vllm"]
+    for name, extra in (("mitmdump", []), ("addon", addon_args)):
+        log = tmp / f"{name}.log"
+        try:
+            if name == "addon" and not addon.is_file():
+                raise RuntimeError(f"{addon} does not exist")
+            proc, port, pid = start_mitmdump(up_port, log, tmp / f"conf-{name}", plan.limit_s, extra)
+        except RuntimeError as e:
+            if name != "addon":
+                raise
+            return str(e)
+        targets.append(Target(name, f"http://127.0.0.1:{port}", proc=proc, cpu_pid=pid, log=log))
+    return None
+
+
+def count_records(polar_dir: Path) -> tuple[int, int, list[str], list[str]]:
+    """(JSONL lines under polar_dir, their bytes, the first record's keys, every file there with its size)."""
+    lines, size, keys = 0, 0, list[str]()
+    for f in sorted(polar_dir.rglob("*.jsonl")):
+        size += f.stat().st_size
+        with f.open("rb") as fh:
+            for line in fh:
+                if not line.strip():
+                    continue
+                if not keys:
+                    try:
+                        keys = sorted(json.loads(line))
+                    except (ValueError, TypeError):
+                        keys = ["<not a JSON object>"]
+                lines += 1
+    files = [f"{p.relative_to(polar_dir)} ({p.stat().st_size} B)" for p in sorted(polar_dir.rglob("*")) if p.is_file()]
+    return lines, size, keys, files
+
+
+def log_problems(log: Path | None) -> list[str]:
+    if log is None or not log.exists():
+        return []
+    words = ("error", "traceback", "exception", "warn")
+    return [ln for ln in log.read_text(errors="replace").splitlines() if any(w in ln.lower() for w in words)][:10]
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # so that the finally blocks stop every child
+
+
+def main(cfg: Config) -> int:
+    plan = make_plan(cfg)
+    console = Console() if sys.stdout.isatty() else Console(width=130)  # no wrapped tables in logs
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    t_start = time.monotonic()
+    targets: list[Target] = []
+    addon_error: str | None = None
+    capture: dict[str, object] = {}  # what the addon wrote, for the JSON
+    addon_log: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="polar-bench-") as tmpname:
+        tmp = Path(tmpname)
+        polar_dir = tmp / "captures"
+        polar_dir.mkdir()
+        try:
+            addon_error = start_paths(cfg, plan, tmp, polar_dir, targets)
+            if addon_error:
+                console.print(f"[bold red]addon did not load[/] ({cfg.addon}): {addon_error}")
+                console.print("[yellow]continuing with direct vs bare mitmdump only[/]")
+            for t in targets:
+                t.open_clients(cfg.concurrency)
+            measure(targets, cfg, plan, console)
+        finally:
+            died = [t for t in targets if t.proc is not None and t.proc.poll() is not None]
+            for t in reversed(targets):  # proxies first, the upstream (direct's process) last
+                t.close_clients()
+                stop(t.proc)  # before counting records: the addon may flush in done()
+        addon = next((t for t in targets if t.name == "addon"), None)
+        if addon is not None:
+            records, size, keys, files = count_records(polar_dir)
+            capture = {"records": records, "bytes": size, "requests_sent": addon.requests, "record_keys": keys}
+            capture["files"] = files[:20]
+            addon_log = log_problems(addon.log)
+            capture["log_problems"] = addon_log
+
+    stats = {
+        t.name: summarize(
+            lat_ms=t.lat_ms,
+            ttfb_ms=t.ttfb_ms,
+            stream_ms=t.stream_ms,
+            rps1=t.rps1,
+            rpsn=t.rpsn,
+            cpu_ms={k: 1e3 * t.cpu_s[k] / t.cpu_n[k] for k in t.cpu_s if t.cpu_n.get(k)},
+        )
+        for t in targets
+    }
+    verdicts = evaluate(stats, cfg.concurrency)
+    invalid = [f"{t.name}: {t.errors} failed requests, e.g. {t.error_samples[:2]}" for t in targets if t.errors]
+    invalid += [
+        f"{t.name}: its process exited during the run (status {t.proc.returncode if t.proc else '?'})" for t in died
+    ]
+    if addon_error:
+        lines = addon_error.splitlines()
+        invalid.append("addon did not load: " + " | ".join(dict.fromkeys([lines[0], *lines[-3:]])))
+    elif capture.get("records") == 0:
+        invalid.append(f"the addon wrote no capture records under polar_dir (files: {capture['files'] or 'none'})")
+
+    console.print(*console_tables(stats, verdicts, cfg.concurrency))
+    notes = _notes(cfg, plan, time.monotonic() - t_start)
+    if addon is not None:
+        n, sent, nbytes = capture["records"], capture["requests_sent"], capture["bytes"]
+        per = f", {nbytes / n / 1000:.0f} KB per record" if isinstance(nbytes, int) and isinstance(n, int) and n else ""
+        console.print(f"capture records: [{'green' if n else 'bold red'}]{n}[/] JSONL lines for {sent} requests{per}")
+        notes.append(f"Capture records written by the addon: {n} JSONL lines for {sent} requests sent through it{per}.")
+        if addon_log:
+            console.print("[yellow]addon mitmdump log:[/]\n" + "\n".join(addon_log))
+    for line in invalid:
+        console.print(f"[bold red]INVALID[/] {line}")
+    notes += [f"INVALID: {line}" for line in invalid]
+
+    out = cfg.out if cfg.out.is_absolute() else ROOT / cfg.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(markdown(stats, verdicts, cfg.concurrency, notes))
+    doc = {
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(cfg).items()},
+        "plan": dataclasses.asdict(plan),
+        "stats": stats,
+        "targets": verdicts,
+        "paths": {t.name: _raw(t) for t in targets},
+        "addon": {"loaded": addon_error is None, "error": addon_error, **capture},
+        "valid": not invalid,
+        "notes": notes,
+    }
+    out.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
+    console.print(f"wrote {out} and {out.with_suffix('.json')} in {time.monotonic() - t_start:.0f} s")
+    return 1 if invalid else 0
+
+
+def _raw(t: Target) -> dict[str, object]:
+    return {
+        "requests": t.requests,
+        "errors": t.errors,
+        "error_samples": t.error_samples,
+        "samples": {"latency": len(t.lat_ms), "streams": len(t.ttfb_ms)},
+        "rps_c1_per_round": t.rps1,
+        "rps_cn_per_round": t.rpsn,
+        "proxy_cpu_s": t.cpu_s,
+        "proxy_cpu_requests": t.cpu_n,
+    }
+
+
+def _notes(cfg: Config, plan: Plan, elapsed: float) -> list[str]:
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return [
+        f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {'quick' if cfg.quick else 'full'} run ({elapsed:.0f} s), "
+        f"{platform.machine()} with {cpus} CPUs shared by client, upstream and proxies; Python "
+        f"{platform.python_version()}, mitmproxy {version('mitmproxy')}, httpx {version('httpx')}.",
+        f"{plan.rounds} rounds rotating the order of the paths; per path and round: {plan.seq} non-streamed "
+        f"{cfg.body_kb} KB requests on one keep-alive connection, {plan.streams} streams of {cfg.chunks} SSE chunks "
+        f"({cfg.stream_body_kb} KB requests), {plan.conc} requests over {cfg.concurrency} keep-alive connections.",
+        "Latency percentiles pool all rounds; requests/s is the median over rounds; proxy CPU is the mitmdump "
+        "process's user + system time per request. Bare mitmdump buffers SSE, so its first byte is its total time.",
+    ]
+
+
+if __name__ == "__main__":
+    sys.exit(main(tyro.cli(Config)))
