@@ -31,18 +31,24 @@ if __package__ in (None, "", "__mitmproxy_script__"):
     # `mitmdump -s addon/polar.py` loads this file as a loose script: make its package importable.
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from addon import chat, session  # noqa: E402
-from addon.record import Body, Exchange  # noqa: E402
+from addon import anthropic, chat, google, native, responses, session  # noqa: E402
+from addon.record import Body, Exchange, merge_fields  # noqa: E402
 from addon.writer import CaptureWriter  # noqa: E402
 
 log = logging.getLogger(__name__)
 
 UPSTREAMS = ("vllm", "sglang", "plain")
+TRANSLATE = ("auto", "never")
+# One module per wire API a harness may speak besides Chat Completions.
+NATIVE = {"anthropic": anthropic, "responses": responses, "google": google}
+CHAT_PATH = "/v1/chat/completions"
 METADATA_KEY = "polar"
+TRANSLATION_KEY = "polar_translation"
 SALT_FILE = ".session-salt"
 
 
-def detect_api(path: str) -> str:
+def detect_api(path: str, headers: dict[str, str], body: Any) -> str:
+    """The wire API of a request: by path, then the ``anthropic-version`` header, then body shape."""
     base = path.partition("?")[0].rstrip("/")
     if chat.is_chat_path(base):
         return "chat"
@@ -52,6 +58,15 @@ def detect_api(path: str) -> str:
         return "responses"
     if base.endswith(":generateContent") or base.endswith(":streamGenerateContent"):
         return "google"
+    if "anthropic-version" in headers:
+        return "anthropic"
+    if isinstance(body, dict):
+        if "contents" in body:
+            return "google"
+        if "input" in body:
+            return "responses"
+        if "messages" in body:
+            return "chat"
     return "other"
 
 
@@ -85,12 +100,43 @@ class Tee:
         return data
 
 
+class TranslatingTee:
+    """The stream callable for a translated call: keeps the upstream's Chat Completions chunks and
+    sends the client its own API's events for each one as it arrives."""
+
+    def __init__(self, exchange: Exchange, translation: native.Translation) -> None:
+        self.exchange = exchange
+        self.translation = translation
+        self.decoder = native.ChatStream()
+        self.broken = False
+
+    def __call__(self, data: bytes) -> list[bytes]:
+        if data:
+            self.exchange.chunks.append(data)
+            self.exchange.chunk_times.append(time.time())
+        if self.broken:
+            return []
+        try:
+            chunks = list(self.decoder.decode(data) if data else self.decoder.flush())
+            out = [self.translation.events(chunk) for chunk in chunks]
+            if not data:
+                out.append(self.translation.finish(complete=True))
+        except Exception as e:  # never raise into mitmproxy's stream: end the client's stream instead
+            log.exception("polar: translating the %s stream failed", self.exchange.api)
+            self.exchange.error = {"kind": "translate", "message": f"{type(e).__name__}: {e}"}
+            self.broken = True
+            return [self.translation.finish(complete=False)]
+        return [b for b in out if b]
+
+
 class Polar:
     def __init__(self) -> None:
         self.writer: CaptureWriter | None = None
         self._salt: bytes | None = None
         self.upstream = "vllm"
         self.upstream_key = ""
+        self.translate = True
+        self.native_options = native.Options(model="", upstream="vllm")
 
     def load(self, loader: Any) -> None:
         loader.add_option("polar_dir", str, "captures", "Folder for capture files (created 0700, files 0600).")
@@ -106,6 +152,16 @@ class Polar:
             "",
             "Credential sent upstream in place of the client's key (which is never forwarded). Empty: none.",
         )
+        loader.add_option(
+            "polar_translate",
+            str,
+            "auto",
+            "auto: answer Anthropic, Responses and Google calls through the upstream's Chat Completions "
+            "(token ids on every chunk; vllm/sglang upstreams); never: pass them through and only record.",
+        )
+        loader.add_option(
+            "polar_model", str, "", "Model name translated calls ask the upstream for (empty: the client's own)."
+        )
         loader.add_option("polar_fsync", bool, False, "fsync each batch of records (survives power loss; slower).")
         loader.add_option("polar_rotate_mb", int, 256, "Start a new capture file once the current one passes this size (MiB).")
 
@@ -119,7 +175,11 @@ class Polar:
             self.upstream = opts.polar_upstream
         if "polar_rotate_mb" in updated and opts.polar_rotate_mb < 1:
             raise exceptions.OptionsError(f"polar_rotate_mb must be at least 1, not {opts.polar_rotate_mb}")
+        if "polar_translate" in updated and opts.polar_translate not in TRANSLATE:
+            raise exceptions.OptionsError(f"polar_translate must be auto or never, not {opts.polar_translate!r}")
         self.upstream_key = opts.polar_upstream_key
+        self.translate = opts.polar_translate == "auto" and self.upstream != "plain"
+        self.native_options = native.Options(model=opts.polar_model, upstream=self.upstream)
         if updated & {"polar_dir", "polar_fsync", "polar_rotate_mb"}:
             directory = Path(opts.polar_dir)
             if directory.exists() and not directory.is_dir():
@@ -182,25 +242,28 @@ class Polar:
             data = flow.request.content or b""
         except ValueError:  # a content-encoding we cannot undo: record the bytes as sent
             data = flow.request.raw_content or b""
+        request = Body.parse(data)
         ex = Exchange(
             session_id=found.id,
             session_source=found.source,
-            api=detect_api(found.path),
+            api=detect_api(found.path, headers, request.value),
             upstream=self.upstream,
             method=flow.request.method,
             path=found.path,
             t_start=flow.request.timestamp_start or time.time(),
             request_headers=session.recordable_headers(headers),
-            request=Body.parse(data),
+            request=request,
         )
         flow.metadata[METADATA_KEY] = ex
         if self.writer is not None and self.writer.failure and ex.api != "other":
             message = f"polar is not recording ({self.writer.failure}); refusing model calls until it is"
-            flow.response = _json_response(503, chat.error_body(503, message, "capture_unavailable"))
+            flow.response = _json_response(503, self._error_body(ex.api, 503, message))
             ex.error = {"kind": "addon", "message": message}
             return
         body = ex.request.value
-        if ex.api == "chat" and isinstance(body, dict):
+        if ex.api in NATIVE and self.translate:
+            self._translate_request(flow, ex, headers)
+        elif ex.api == "chat" and isinstance(body, dict):
             added = chat.token_fields(body, self.upstream)
             if added:
                 sent, pure_addition = chat.splice(data, body, added)
@@ -208,6 +271,36 @@ class Polar:
                 ex.injected = added
                 if not pure_addition:
                     ex.upstream_request = Body.parse(sent)
+
+    def _translate_request(self, flow: http.HTTPFlow, ex: Exchange, headers: dict[str, str]) -> None:
+        """Send a native call upstream as one Chat Completions call, with the token fields."""
+        module = NATIVE[ex.api]
+        try:
+            if not isinstance(ex.request.value, dict):
+                raise native.BadRequest("the request body is not a JSON object")
+            started = module.start(ex.request.value, ex.path, headers, self.native_options)
+        except native.BadRequest as e:
+            flow.response = _json_response(400, module.error_body(400, str(e)))
+            ex.error = {"kind": "translate", "message": str(e)}
+            return
+        if isinstance(started, native.LocalAnswer):
+            flow.response = _json_response(started.status, started.body)
+            return
+        added = chat.token_fields(started.chat_body, self.upstream)
+        sent = merge_fields(started.chat_body, added)
+        flow.request.method = "POST"
+        flow.request.path = CHAT_PATH
+        flow.request.headers["content-type"] = "application/json"
+        flow.request.content = json.dumps(sent, ensure_ascii=False).encode("utf-8")
+        ex.injected = added
+        ex.upstream_request = Body(value=sent)
+        flow.metadata[TRANSLATION_KEY] = started
+
+    @staticmethod
+    def _error_body(api: str, status: int, message: str) -> dict[str, Any]:
+        if api in NATIVE:
+            return NATIVE[api].error_body(status, message)
+        return chat.error_body(status, message)
 
     def _set_upstream_key(self, flow: http.HTTPFlow, where: str | None) -> None:
         if where == "query":
@@ -229,7 +322,12 @@ class Polar:
         ex.content_encoding = flow.response.headers.get("content-encoding", "")
         # Only event streams are teed: mitmproxy forwards a JSON answer in one piece once it is
         # complete anyway, and streaming it chunk-wise costs ~2 ms per call on loopback.
-        if ex.streamed:
+        translation = flow.metadata.get(TRANSLATION_KEY)
+        if ex.streamed and translation is not None:
+            flow.response.headers.pop("content-length", None)  # the client's events differ in size
+            flow.response.headers["cache-control"] = "no-cache"
+            flow.response.stream = TranslatingTee(ex, translation)
+        elif ex.streamed:
             flow.response.stream = Tee(ex)
 
     @guarded
@@ -242,8 +340,32 @@ class Polar:
             ex.response_headers = dict(flow.response.headers.items())
         if not ex.streamed:  # buffered by mitmproxy, still content-encoded: encode() undoes that
             ex.chunks, ex.chunk_times = [flow.response.raw_content or b""], [time.time()]
+            if (translation := flow.metadata.get(TRANSLATION_KEY)) is not None:
+                self._translate_answer(flow, ex, translation)
         ex.complete = ex.error is None
         self._submit(ex)
+
+    def _translate_answer(self, flow: http.HTTPFlow, ex: Exchange, translation: native.Translation) -> None:
+        """Rewrite a buffered upstream answer (or error) into the harness's API."""
+        assert flow.response is not None
+        status = flow.response.status_code
+        try:
+            upstream = json.loads(flow.response.content or b"null")
+        except ValueError:
+            upstream = None
+        try:
+            if status == 200 and isinstance(upstream, dict):
+                body = translation.answer(upstream)
+            else:
+                body = translation.error(status if status >= 400 else 502, _upstream_message(upstream, flow.response))
+                status = status if status >= 400 else 502
+        except Exception as e:
+            log.exception("polar: translating the %s answer failed", ex.api)
+            ex.error = {"kind": "translate", "message": f"{type(e).__name__}: {e}"}
+            status, body = 502, translation.error(502, f"polar could not translate the upstream answer: {e}")
+        flow.response.status_code = status
+        flow.response.headers["content-type"] = "application/json"
+        flow.response.content = json.dumps(body, ensure_ascii=False).encode("utf-8")
 
     @guarded
     def error(self, flow: http.HTTPFlow) -> None:
@@ -296,6 +418,17 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _upstream_message(body: Any, response: http.Response) -> str:
+    """The error message of an upstream answer, whatever its shape."""
+    if isinstance(body, dict):
+        error = body.get("error", body)
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return error["message"]
+        if isinstance(body.get("message"), str):
+            return body["message"]
+    return (response.get_text(strict=False) or "")[:2000] or f"upstream answered {response.status_code}"
 
 
 def _json_response(status: int, body: dict[str, Any]) -> http.Response:

@@ -49,8 +49,15 @@ field                  meaning
                        entry for a buffered answer)
 ``complete``           false when the exchange did not finish (stream broken, client gone, error)
 ``error``              null, or ``{"kind": str, "message": str}``: ``upstream`` (refused, reset),
-                       ``client`` (disconnected), ``decode`` (content-encoding), ``addon``
+                       ``client`` (disconnected), ``decode`` (content-encoding), ``translate``
+                       (a native request or answer that could not be mapped), ``addon``
 =====================  ==========================================================================
+
+Translated calls (``api`` anthropic | responses | google with ``polar_translate=auto``): ``request``
+is the harness's native body, ``upstream_request`` the Chat Completions body sent upstream (token
+fields included, also listed in ``injected``) and ``response_body`` the upstream's Chat Completions
+answer; what the harness received is derived from it (see addon/native.py). With
+``polar_translate=never`` the native call passes through and ``response_body`` is the native answer.
 
 Interpretation (token ids, log-probs, assembling streams) is the reconstruction's job; the addon
 only records what crossed the wire.
