@@ -1,0 +1,426 @@
+"""Reference upstream: an OpenAI-compatible chat server on transformers that answers like vLLM, fully offline.
+
+    python -m eval.serve --model models/tiny --port 8000 [--host 127.0.0.1] [--script turns.json] [--seed 0]
+
+Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions`` (streamed or not). Beyond OpenAI's
+fields it honours vLLM's ``return_token_ids``, ``logprobs`` and ``top_logprobs`` and answers with vLLM's extra
+fields (``prompt_token_ids``, ``choices[0].token_ids``, and per streamed chunk the ``token_ids`` and ``logprobs``
+of that chunk's tokens), because the capture proxy in front of it relies on them. Log-probs are vLLM's default
+raw ones: log_softmax of the model's logits, before temperature and top-p. Tokens are sampled one at a time over
+the KV cache, so a stream sends each token as soon as it is sampled; each token gets its own chunk, also when a
+parser holds its text back (vLLM does the same, so no token id is lost).
+
+``--script FILE`` replaces sampling with scripted assistant messages (format in eval/script.py): each request of
+a session (header ``x-polar-session``, else "default") takes that session's next message, rendered through the
+chat template and teacher-forced through the model, so its token ids and log-probs are real; it is then parsed
+and sent exactly like sampled output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import traceback
+import uuid
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import tyro
+
+from eval.engine import Engine, Piece, Sampling, generate
+from eval.script import Script
+from eval.toolparse import Content, Reasoning, ToolCall
+
+__all__ = ["BadRequest", "ChatRequest", "Server", "completion_body", "parse_request", "stream_chunks"]
+
+
+@dataclasses.dataclass
+class Config:
+    """Reference upstream settings."""
+
+    model: Path
+    """Model directory written by eval.models (any local causal LM with a chat template works)."""
+    port: int = 8000
+    """TCP port; 0 picks a free one, which the startup line reports."""
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    script: Path | None = None
+    """Assistant messages to replay per session instead of sampling (JSON list or JSONL)."""
+    seed: int = 0
+    """Seeds sampling for requests that carry no ``seed`` of their own."""
+    max_tokens: int = 256
+    """Completion length, in tokens, when a request sets neither max_tokens nor max_completion_tokens."""
+
+
+class BadRequest(Exception):
+    """A request the server refuses with 400 and an OpenAI error body."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": "invalid_request_error", "param": self.param, "code": None}}
+
+
+@dataclasses.dataclass
+class ChatRequest:
+    """The fields of a chat completion request that this server acts on; vLLM ignores unknown ones too."""
+
+    model: str
+    messages: list[dict[str, Any]]  # tool-call arguments already objects, as the template wants them
+    tools: list[dict[str, Any]] | None
+    max_tokens: int | None
+    sampling: dict[str, Any]  # eval.engine.Sampling fields except max_tokens, fixed once the prompt is known
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+
+
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+_KINDS: dict[Any, tuple[tuple[type, ...], str]] = {
+    bool: ((bool,), "a boolean"),
+    int: ((int,), "an integer"),
+    float: ((int, float), "a number"),
+    str: ((str,), "a string"),
+    list: ((list,), "an array"),
+    dict: ((dict,), "an object"),
+}
+
+
+def _get(body: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    types, what = _KINDS[kind]
+    if not isinstance(value, types) or (kind is not bool and isinstance(value, bool)):
+        raise BadRequest(f"'{name}' must be {what}", name)
+    return value
+
+
+def parse_request(body: Any, default_model: str) -> ChatRequest:
+    """Checks a decoded JSON body; raises BadRequest naming the offending field."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    messages = _get(body, "messages", list)
+    if not messages:
+        raise BadRequest("'messages' must be a non-empty array", "messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in _ROLES:
+            raise BadRequest(f"messages[{i}] must be an object with a role in {sorted(_ROLES)}", f"messages[{i}]")
+        if not isinstance(m.get("content"), str | list | None):
+            raise BadRequest(f"messages[{i}].content must be a string, an array of parts or null", f"messages[{i}]")
+    tools = _get(body, "tools", list)
+    for i, t in enumerate(tools or []):
+        if not (isinstance(t, dict) and isinstance(t.get("function"), dict) and "name" in t["function"]):
+            raise BadRequest(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", "tools")
+    tool_choice = body.get("tool_choice")
+    if tool_choice not in (None, "auto", "none"):
+        raise BadRequest("only tool_choice 'auto' and 'none' are supported (no guided decoding here)", "tool_choice")
+    if _get(body, "n", int, 1) != 1:
+        raise BadRequest("only n=1 is supported", "n")
+    max_tokens = _get(body, "max_completion_tokens", int)  # OpenAI's newer name wins, as in vLLM
+    max_tokens = _get(body, "max_tokens", int) if max_tokens is None else max_tokens
+    if max_tokens is not None and max_tokens < 1:
+        raise BadRequest("max_tokens must be at least 1", "max_tokens")
+    temperature = _get(body, "temperature", float, 1.0)
+    if not 0 <= temperature <= 2:
+        raise BadRequest("temperature must be between 0 and 2", "temperature")
+    top_p = _get(body, "top_p", float, 1.0)
+    if not 0 < top_p <= 1:
+        raise BadRequest("top_p must be in (0, 1]", "top_p")
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop or []
+    if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
+        raise BadRequest("'stop' must be a string or an array of non-empty strings", "stop")
+    stream = _get(body, "stream", bool, False)
+    stream_options = _get(body, "stream_options", dict)
+    if stream_options is not None and not stream:
+        raise BadRequest("stream_options can only be set when stream is true", "stream_options")
+    logprobs = _get(body, "logprobs", bool, False)
+    top_logprobs = _get(body, "top_logprobs", int, 0)
+    if not -1 <= top_logprobs <= 20:
+        raise BadRequest("top_logprobs must be between 0 and 20, or -1 for all", "top_logprobs")
+    if top_logprobs and not logprobs:
+        raise BadRequest("top_logprobs needs logprobs set to true", "top_logprobs")
+    sampling = {
+        "temperature": temperature,
+        "top_p": top_p,
+        "seed": _get(body, "seed", int),
+        "stop": stop,
+        "logprobs": logprobs,
+        "top_logprobs": top_logprobs,
+        # vLLM parses tool calls only when the request has tools and tool_choice is not "none".
+        "parse_tools": bool(tools) and tool_choice != "none",
+    }
+    return ChatRequest(
+        model=_get(body, "model", str, default_model),
+        messages=_object_arguments(messages),
+        tools=tools or None,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stream=stream,
+        include_usage=_get(stream_options or {}, "include_usage", bool, False),
+        return_token_ids=_get(body, "return_token_ids", bool, False),
+    )
+
+
+def _object_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Assistant tool-call arguments arrive as JSON text; render them as objects, as vLLM does before templating."""
+    out = []
+    for m in messages:
+        if m["role"] == "assistant" and isinstance(m.get("tool_calls"), list):
+            calls = []
+            for call in m["tool_calls"]:
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                    try:
+                        call = {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
+                    except json.JSONDecodeError:
+                        pass  # rendered verbatim, as the client sent it
+                calls.append(call)
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
+
+
+class Server(ThreadingHTTPServer):
+    """The HTTP server holding the engine; one thread per connection."""
+
+    def __init__(self, config: Config) -> None:
+        self.engine = Engine(config.model, config.seed)
+        self.script = Script.load(config.script) if config.script else None
+        self.model_name = str(config.model)  # vLLM's default served name is its --model argument
+        self.default_max_tokens = config.max_tokens
+        self.started = int(time.time())
+        super().__init__((config.host, config.port), Handler)
+
+    def prepare(self, req: ChatRequest, session: str) -> tuple[list[int], Sampling, list[int] | None]:
+        """Prompt token ids, sampling settings, and the scripted answer's token ids when replaying a script."""
+        try:
+            prompt = self.engine.render(req.messages, req.tools, generation_prompt=True)
+        except jinja2.TemplateError as e:
+            raise BadRequest(f"the chat template cannot render these messages: {e}", "messages") from e
+        prompt_ids = self.engine.encode(prompt)
+        room = self.engine.max_len - len(prompt_ids)
+        if room < (req.max_tokens or 1):
+            raise BadRequest(
+                f"This model's maximum context length is {self.engine.max_len} tokens. However, you requested "
+                f"{len(prompt_ids) + (req.max_tokens or 1)} tokens ({len(prompt_ids)} in the messages, "
+                f"{req.max_tokens or 1} in the completion).",
+                "messages",
+            )
+        forced = None if self.script is None else self._scripted_answer(req, prompt, session)
+        # A scripted answer is never cut short by the default; a sampled one from a random model would run on.
+        default = room if forced is not None else min(self.default_max_tokens, room)
+        return prompt_ids, Sampling(max_tokens=req.max_tokens or default, **req.sampling), forced
+
+    def _scripted_answer(self, req: ChatRequest, prompt: str, session: str) -> list[int]:
+        """Token ids of the session's next scripted message: the text the template adds after the generation
+        prompt, up to and including <|im_end|>."""
+        assert self.script is not None
+        full = self.engine.render([*req.messages, self.script.take(session)], req.tools, generation_prompt=False)
+        if not full.startswith(prompt):
+            raise RuntimeError("the chat template does not render prompt + answer as an extension of the prompt")
+        eos = self.engine.tokenizer.eos_token
+        answer = full[len(prompt) :]
+        return self.engine.encode(answer[: answer.index(eos) + len(eos)])
+
+
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
+def _finish_reason(reason: str | None, tool_calls: int) -> str | None:
+    # A truncated answer stays "length", so a trainer can tell it was cut off.
+    return "tool_calls" if reason == "stop" and tool_calls else reason
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_body(req: ChatRequest, prompt_ids: list[int], pieces: Iterator[Piece]) -> dict[str, Any]:
+    """The non-streamed ``chat.completion`` object, with vLLM's token fields when asked for."""
+    token_ids, logprobs, calls, finish = [], [], [], None
+    text = {Content: "", Reasoning: ""}
+    for piece in pieces:
+        token_ids.append(piece.token_id)
+        logprobs += [piece.logprob] if piece.logprob else []
+        for event in piece.events:
+            if isinstance(event, ToolCall):
+                calls.append(_tool_call(event))
+            else:
+                text[type(event)] += event.text
+        finish = piece.finish_reason
+    message = {"role": "assistant", "content": text[Content] or None, "reasoning": text[Reasoning] or None}
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {**message, "tool_calls": calls},
+        "logprobs": {"content": logprobs} if req.sampling["logprobs"] else None,
+        "finish_reason": _finish_reason(finish, len(calls)),
+    }
+    body: dict[str, Any] = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": req.model,
+    }
+    if req.return_token_ids:
+        choice["token_ids"] = token_ids
+        body["prompt_token_ids"] = prompt_ids
+    return {**body, "choices": [choice], "usage": _usage(len(prompt_ids), len(token_ids))}
+
+
+def stream_chunks(req: ChatRequest, prompt_ids: list[int], pieces: Iterator[Piece]) -> Iterator[dict[str, Any]]:
+    """The ``chat.completion.chunk`` objects of a stream: the role chunk, one chunk per token, then usage."""
+    head = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": req.model,
+    }
+    role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    yield {**head, "choices": [role]} | ({"prompt_token_ids": prompt_ids} if req.return_token_ids else {})
+    n_calls = n_tokens = 0
+    for piece in pieces:
+        n_tokens += 1
+        delta: dict[str, Any] = {}
+        for event in piece.events:
+            if isinstance(event, ToolCall):
+                delta.setdefault("tool_calls", []).append({"index": n_calls, **_tool_call(event)})
+                n_calls += 1
+            else:
+                key = "content" if isinstance(event, Content) else "reasoning"
+                delta[key] = delta.get(key, "") + event.text
+        choice = {
+            "index": 0,
+            "delta": delta or {"content": ""},  # text held back (or swallowed by a parser): the ids still go out
+            "logprobs": {"content": [piece.logprob]} if piece.logprob else None,
+            "finish_reason": _finish_reason(piece.finish_reason, n_calls),
+        }
+        if req.return_token_ids:
+            choice["token_ids"] = [piece.token_id]
+        yield {**head, "choices": [choice]}
+    if req.include_usage:
+        yield {**head, "choices": [], "usage": _usage(len(prompt_ids), n_tokens)}
+
+
+def _error(status: int, message: str) -> dict[str, Any]:
+    kind = {404: "not_found_error", 500: "internal_server_error"}[status]
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive; streams use chunked transfer encoding
+    disable_nagle_algorithm = True  # else each small SSE write waits ~40 ms for the client's delayed ACK
+    server: Server
+    _response_started = False  # set per request once a streamed response has sent its headers
+
+    def do_GET(self) -> None:
+        path = self.path.partition("?")[0]
+        if path == "/health":
+            self._send(200, b"", "application/json")
+        elif path == "/v1/models":
+            model = {
+                "id": self.server.model_name,
+                "object": "model",
+                "created": self.server.started,
+                "owned_by": "polar",
+                "max_model_len": self.server.engine.max_len,
+            }
+            self._send_json(200, {"object": "list", "data": [model]})
+        else:
+            self._send_json(404, _error(404, f"no route GET {path}"))
+
+    def do_POST(self) -> None:
+        path = self.path.partition("?")[0]
+        if path != "/v1/chat/completions":
+            self.close_connection = True  # its body is left unread, so the connection cannot carry another request
+            self._send_json(404, _error(404, f"no route POST {path}"))
+            return
+        self._response_started = False
+        try:
+            req = parse_request(self._read_json(), self.server.model_name)
+            prompt_ids, sampling, forced = self.server.prepare(req, self.headers.get("x-polar-session", "default"))
+            pieces = generate(self.server.engine, prompt_ids, sampling, forced)
+            if req.stream:
+                self._stream(stream_chunks(req, prompt_ids, pieces))
+            else:
+                self._send_json(200, completion_body(req, prompt_ids, pieces))
+        except BadRequest as e:
+            self._send_json(400, e.body())
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True  # the client went away; generation stops with it
+        except Exception as e:  # noqa: BLE001 - any other failure is a 500, never a silently dropped connection
+            traceback.print_exc()
+            if self._response_started:  # mid-stream: all we can do is cut the stream
+                self.close_connection = True
+            else:
+                self._send_json(500, _error(500, f"{type(e).__name__}: {e}"))
+
+    def _read_json(self) -> Any:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            raw = b""
+            while size := int(self.rfile.readline().split(b";")[0], 16):
+                raw += self.rfile.read(size)
+                self.rfile.readline()
+            self.rfile.readline()  # the blank line after the last chunk
+        else:
+            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BadRequest(f"the request body is not valid JSON: {e}") from e
+
+    def _stream(self, chunks: Iterator[dict[str, Any]]) -> None:
+        self._response_started = True
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for chunk in chunks:
+            self._write_chunk(b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n")
+        self._write_chunk(b"data: [DONE]\n\n")
+        self.wfile.write(b"0\r\n\r\n")
+
+    def _write_chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+    def _send_json(self, status: int, body: dict[str, Any]) -> None:
+        self._send(status, json.dumps(body, ensure_ascii=False).encode(), "application/json")
+
+    def _send(self, status: int, data: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def main(config: Config) -> None:
+    server = Server(config)
+    print(f"serving {server.model_name} on http://{config.host}:{server.server_port}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Config))
