@@ -376,8 +376,14 @@ class Polar:
         # Before response headers the upstream failed us; after them, a broken stream is the
         # client leaving unless the upstream is named.
         upstream_side = ex.status is None or "server" in message.lower()
-        ex.error = ex.error or {"kind": "upstream" if upstream_side else "client", "message": message}
-        ex.complete = False
+        wire_api = "chat" if flow.metadata.get(TRANSLATION_KEY) is not None else ex.api
+        if not upstream_side and ex.error is None and _stream_ended(wire_api, ex.chunks):
+            # SDKs hang up once they read the final event, sometimes before the upstream's
+            # end-of-body reaches the proxy: nothing was lost, the exchange is complete.
+            ex.complete = True
+        else:
+            ex.error = ex.error or {"kind": "upstream" if upstream_side else "client", "message": message}
+            ex.complete = False
         self._submit(ex)
 
     def _submit(self, ex: Exchange) -> None:
@@ -418,6 +424,21 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+# The last event of a finished stream, per wire API, as it appears in the stream's bytes.
+STREAM_END = {
+    "chat": b"data: [DONE]",
+    "anthropic": b"message_stop",
+    "responses": b"response.completed",
+    "google": b'"finishReason"',
+}
+
+
+def _stream_ended(api: str, chunks: list[bytes]) -> bool:
+    marker = STREAM_END.get(api)
+    tail = b"".join(chunks[-3:])[-4096:]
+    return marker is not None and marker in tail
 
 
 def _upstream_message(body: Any, response: http.Response) -> str:

@@ -247,3 +247,16 @@ def test_non_loopback_listen_warns(addon, tctx, caplog):
     tctx.configure(addon, listen_host="0.0.0.0")
     addon.running()
     assert "beyond loopback" in caplog.text
+
+
+def test_client_hanging_up_after_the_final_event_is_complete(addon, tctx, tmp_path):
+    flow = make_chat_flow(stream=True)
+    addon.request(flow)
+    set_response(flow, content_type="text/event-stream")
+    addon.responseheaders(flow)
+    flow.response.stream(b'data: {"choices":[]}\n\ndata: [DONE]\n\n')
+    flow.error = tflow.terr("Client disconnected.")  # before the upstream's end-of-body arrived
+    addon.error(flow)
+    addon.done()
+    (rec,) = read_records(tmp_path / "captures")
+    assert rec["complete"] is True and rec["error"] is None
