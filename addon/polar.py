@@ -60,12 +60,13 @@ def detect_api(path: str, headers: dict[str, str], body: Any) -> str:
         return "google"
     if "anthropic-version" in headers:
         return "anthropic"
+    # Body shapes specific enough not to catch other endpoints (embeddings also send "input").
     if isinstance(body, dict):
         if "contents" in body:
             return "google"
-        if "input" in body:
+        if "input" in body and "instructions" in body:
             return "responses"
-        if "messages" in body:
+        if "messages" in body and "model" in body and not base.endswith(("/embeddings", "/completions")):
             return "chat"
     return "other"
 
