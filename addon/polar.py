@@ -58,7 +58,7 @@ def detect_api(path: str, headers: dict[str, str], body: Any) -> str:
         return "responses"
     if base.endswith(":generateContent") or base.endswith(":streamGenerateContent"):
         return "google"
-    if "anthropic-version" in headers:
+    if "anthropic-version" in headers and isinstance(body, dict):  # not Claude Code's HEAD / probe
         return "anthropic"
     # Body shapes specific enough not to catch other endpoints (embeddings also send "input").
     if isinstance(body, dict):
@@ -262,7 +262,7 @@ class Polar:
             ex.error = {"kind": "addon", "message": message}
             return
         body = ex.request.value
-        if ex.api in NATIVE and self.translate:
+        if ex.api in NATIVE and self.translate and flow.request.method == "POST":
             self._translate_request(flow, ex, headers)
         elif ex.api == "chat" and isinstance(body, dict):
             added = chat.token_fields(body, self.upstream)
@@ -283,6 +283,12 @@ class Polar:
         except native.BadRequest as e:
             flow.response = _json_response(400, module.error_body(400, str(e)))
             ex.error = {"kind": "translate", "message": str(e)}
+            return
+        except Exception as e:  # a translator bug: never forward the native call untranslated
+            log.exception("polar: translating a %s request failed", ex.api)
+            message = f"polar could not translate this request: {type(e).__name__}: {e}"
+            flow.response = _json_response(500, module.error_body(500, message))
+            ex.error = {"kind": "translate", "message": message}
             return
         if isinstance(started, native.LocalAnswer):
             flow.response = _json_response(started.status, started.body)
@@ -453,6 +459,23 @@ def _upstream_message(body: Any, response: http.Response) -> str:
     return (response.get_text(strict=False) or "")[:2000] or f"upstream answered {response.status_code}"
 
 
+def _any_api_error(status: int, message: str) -> dict[str, Any]:
+    """An error body every client parses: OpenAI's, Anthropic's and Google's shapes in one object.
+
+    mitmproxy builds its error answers without the flow, so the harness's API is unknown there.
+    """
+    return {
+        "type": "error",  # Anthropic
+        "error": {
+            "message": message,
+            "type": "api_error" if status != 504 else "timeout_error",  # OpenAI, Anthropic
+            "param": None,
+            "code": status,  # OpenAI, Google
+            "status": "DEADLINE_EXCEEDED" if status == 504 else "UNAVAILABLE",  # Google
+        },
+    }
+
+
 def _json_response(status: int, body: dict[str, Any]) -> http.Response:
     return http.Response.make(status, json.dumps(body), {"content-type": "application/json"})
 
@@ -474,7 +497,7 @@ def _answer_proxy_errors_in_json() -> None:
 
     def make_error_response(status_code: int, message: str = "") -> bytes:
         status = 504 if "timed out" in message.lower() or "timeout" in message.lower() else status_code
-        response = _json_response(status, chat.error_body(status, message or "proxy error", "proxy_error"))
+        response = _json_response(status, _any_api_error(status, message or "proxy error"))
         response.headers["connection"] = "close"
         return http1.assemble_response(response)
 

@@ -24,8 +24,8 @@ field                  meaning
 ``api``                ``chat`` | ``anthropic`` | ``responses`` | ``google`` | ``other`` (a path the
                        addon does not know: forwarded untouched)
 ``upstream``           the ``polar_upstream`` mode that shaped the request: vllm | sglang | plain
-``method``, ``path``   HTTP method and the path sent upstream (session prefix stripped; a ``key``
-                       query parameter removed)
+``method``, ``path``   the client's HTTP method and path (session prefix stripped; a ``key`` query
+                       parameter removed); a translated call went upstream to /v1/chat/completions
 ``status``             upstream HTTP status, or null when no response arrived
 ``streamed``           true when the response was ``text/event-stream``
 ``t_start``            Unix seconds when the client's request began
