@@ -7,13 +7,13 @@ accumulator included) must take the answers as Anthropic's, and the records must
 import itertools
 import json
 import re
-import time
 
 import anthropic
 import pytest
 
 from addon import native
 from eval.services import Mitmdump, ReferenceServer
+from tests.captures import read_records, tokens_of
 
 pytestmark = pytest.mark.slow
 
@@ -55,25 +55,6 @@ def proxy(tiny_model_dir, tmp_path_factory):
 def client(proxy, session):
     """The API key is the session id: the proxy files the calls under it, and the script advances per session."""
     return anthropic.Anthropic(base_url=proxy.url, api_key=session, max_retries=0, timeout=60)
-
-
-def read_records(directory, session, expect, timeout=10.0):
-    """The session's records, oldest first, once ``expect`` of them are written (just after each answer)."""
-    deadline = time.time() + timeout
-    while True:
-        lines = [line for path in sorted(directory.glob("*.jsonl")) for line in path.read_bytes().split(b"\n") if line]
-        records = [r for r in map(json.loads, lines) if r["session_id"] == session]
-        if len(records) >= expect or time.time() > deadline:
-            return sorted(records, key=lambda r: r["t_start"])
-
-
-def tokens_of(record):
-    """(prompt ids, sampled ids) from the upstream's Chat Completions answer, streamed or not."""
-    if not record["streamed"]:
-        response = json.loads(record["response_body"])
-        return response["prompt_token_ids"], response["choices"][0]["token_ids"]
-    chunks = [json.loads(b[6:]) for b in record["response_body"].split("\n\n") if b.startswith("data: {")]
-    return chunks[0]["prompt_token_ids"], [i for c in chunks for ch in c["choices"] for i in ch.get("token_ids") or []]
 
 
 def two_turns(c, *, stream):
@@ -128,7 +109,7 @@ def test_streamed_and_non_streamed_round_trips(proxy):
     assert first.usage.input_tokens > 0 and first.usage.output_tokens > 0
 
     for session, stream in (("sess-anthropic-s", True), ("sess-anthropic-n", False)):
-        records = read_records(proxy.captures, session, expect=2)
+        records = read_records(proxy.captures, session=session, expect=2)
         assert [(r["api"], r["status"], r["complete"], r["streamed"]) for r in records] == [("anthropic", 200, True, stream)] * 2
         assert records[0]["request"]["model"] == MODEL and records[0]["path"].startswith("/v1/messages?beta=true")
         upstream = [r["upstream_request"] for r in records]
@@ -139,7 +120,7 @@ def test_streamed_and_non_streamed_round_trips(proxy):
         assert assistant["reasoning"] == SCRIPT[0]["reasoning"] and assistant["tool_calls"][0]["function"]["name"] == "Bash"
         assert tool == {"role": "tool", "tool_call_id": assistant["tool_calls"][0]["id"], "content": "(no output)"}
         # Token fidelity: turn 2's prompt re-renders turn 1 exactly as sampled.
-        (prompt0, ids0), (prompt1, ids1) = tokens_of(records[0]), tokens_of(records[1])
+        (prompt0, ids0, _), (prompt1, ids1, _) = tokens_of(records[0]), tokens_of(records[1])
         assert ids0 and ids1 and prompt1[: len(prompt0) + len(ids0)] == prompt0 + ids0
 
 
@@ -189,5 +170,5 @@ def test_count_tokens_is_answered_by_the_proxy(proxy):
     with client(proxy, "sess-anthropic-count") as c:
         counted = c.messages.count_tokens(model=MODEL, system=SYSTEM, messages=FIRST_TURN, tools=TOOLS[:1])
     assert 20 < counted.input_tokens < 200  # an estimate: about 60 from 240 characters
-    (record,) = read_records(proxy.captures, "sess-anthropic-count", expect=1)
+    (record,) = read_records(proxy.captures, session="sess-anthropic-count", expect=1)
     assert record["status"] == 200 and record["upstream_request"] is None and record["response_body"] is not None

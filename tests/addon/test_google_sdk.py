@@ -12,7 +12,7 @@ from google.genai import errors, types
 from transformers import AutoTokenizer
 
 from eval.services import Mitmdump, ReferenceServer
-from tests.addon.test_proxy import read_records, tokens_of
+from tests.captures import read_records, tokens_of
 
 pytestmark = pytest.mark.slow
 

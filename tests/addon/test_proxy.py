@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from eval.services import Mitmdump, ReferenceServer, free_port
 from tests.bench.upstream import make_server
+from tests.captures import read_records, sse_events, tokens_of
 
 pytestmark = pytest.mark.slow
 
@@ -36,40 +37,6 @@ FIRST_TURN = [
     {"role": "system", "content": "You are a coding agent."},
     {"role": "user", "content": "Write hi into out.txt."},
 ]
-
-
-def read_records(directory, *, session=None, expect=None, timeout=10.0):
-    """The records under ``directory`` (of one session); with ``expect``, wait until that many are there.
-
-    A record lands just after the client has its answer: the addon writes once an exchange ends.
-    """
-    deadline = time.time() + timeout
-    while True:
-        records = [
-            record
-            for path in sorted(directory.glob("*.jsonl"))
-            for line in path.read_bytes().split(b"\n")
-            if line and (record := json.loads(line)) and session in (None, record["session_id"])
-        ]
-        if expect is None or len(records) >= expect or time.time() > deadline:
-            return sorted(records, key=lambda r: r["t_start"])
-
-
-def sse_events(text):
-    return [json.loads(block[6:]) for block in text.split("\n\n") if block.startswith("data: {")]
-
-
-def tokens_of(record):
-    """(prompt ids, completion ids, completion log-probs) as vLLM sent them, streamed or not."""
-    if not record["streamed"]:
-        response = json.loads(record["response_body"])
-        choice = response["choices"][0]
-        return response["prompt_token_ids"], choice["token_ids"], [t["logprob"] for t in choice["logprobs"]["content"]]
-    events = sse_events(record["response_body"])
-    prompt = events[0]["prompt_token_ids"]
-    ids = [i for e in events for c in e["choices"] for i in c.get("token_ids") or []]
-    logprobs = [t["logprob"] for e in events for c in e["choices"] for t in (c.get("logprobs") or {}).get("content") or []]
-    return prompt, ids, logprobs
 
 
 def collect(stream):

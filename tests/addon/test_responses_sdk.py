@@ -11,7 +11,7 @@ import pytest
 
 from addon import native
 from eval.services import Mitmdump, ReferenceServer
-from tests.addon.test_proxy import read_records, tokens_of
+from tests.captures import read_records, tokens_of
 
 pytestmark = pytest.mark.slow
 
