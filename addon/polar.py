@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import ipaddress
-import json
 import logging
 import os
 import secrets
@@ -31,19 +30,15 @@ if __package__ in (None, "", "__mitmproxy_script__"):
     # `mitmdump -s addon/polar.py` loads this file as a loose script: make its package importable.
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from addon import anthropic, chat, google, native, responses, session  # noqa: E402
-from addon.record import Body, Exchange, merge_fields  # noqa: E402
+from addon import chat, native, proxy_errors, session, translating  # noqa: E402
+from addon.record import Body, Exchange  # noqa: E402
 from addon.writer import CaptureWriter  # noqa: E402
 
 log = logging.getLogger(__name__)
 
 UPSTREAMS = ("vllm", "sglang", "plain")
 TRANSLATE = ("auto", "never")
-# One module per wire API a harness may speak besides Chat Completions.
-NATIVE = {"anthropic": anthropic, "responses": responses, "google": google}
-CHAT_PATH = "/v1/chat/completions"
 METADATA_KEY = "polar"
-TRANSLATION_KEY = "polar_translation"
 SALT_FILE = ".session-salt"
 
 
@@ -99,35 +94,6 @@ class Tee:
             self.exchange.chunks.append(data)
             self.exchange.chunk_times.append(time.time())
         return data
-
-
-class TranslatingTee:
-    """The stream callable for a translated call: keeps the upstream's Chat Completions chunks and
-    sends the client its own API's events for each one as it arrives."""
-
-    def __init__(self, exchange: Exchange, translation: native.Translation) -> None:
-        self.exchange = exchange
-        self.translation = translation
-        self.decoder = native.ChatStream()
-        self.broken = False
-
-    def __call__(self, data: bytes) -> list[bytes]:
-        if data:
-            self.exchange.chunks.append(data)
-            self.exchange.chunk_times.append(time.time())
-        if self.broken:
-            return []
-        try:
-            chunks = list(self.decoder.decode(data) if data else self.decoder.flush())
-            out = [self.translation.events(chunk) for chunk in chunks]
-            if not data:
-                out.append(self.translation.finish(complete=True))
-        except Exception as e:  # never raise into mitmproxy's stream: end the client's stream instead
-            log.exception("polar: translating the %s stream failed", self.exchange.api)
-            self.exchange.error = {"kind": "translate", "message": f"{type(e).__name__}: {e}"}
-            self.broken = True
-            return [self.translation.finish(complete=False)]
-        return [b for b in out if b]
 
 
 class Polar:
@@ -219,7 +185,7 @@ class Polar:
             # hangs up without an answer or a flow; lazy dials per request, so the refusal
             # reaches the client as a 502 and the record says why.
             ctx.options.connection_strategy = "lazy"
-        _answer_proxy_errors_in_json()
+        proxy_errors.install()
 
     def done(self) -> None:
         if self.writer is not None:
@@ -258,12 +224,12 @@ class Polar:
         flow.metadata[METADATA_KEY] = ex
         if self.writer is not None and self.writer.failure and ex.api != "other":
             message = f"polar is not recording ({self.writer.failure}); refusing model calls until it is"
-            flow.response = _json_response(503, self._error_body(ex.api, 503, message))
+            flow.response = translating.json_response(503, translating.error_body(ex.api, 503, message))
             ex.error = {"kind": "addon", "message": message}
             return
         body = ex.request.value
-        if ex.api in NATIVE and self.translate and flow.request.method == "POST":
-            self._translate_request(flow, ex, headers)
+        if ex.api in translating.NATIVE and self.translate and flow.request.method == "POST":
+            translating.translate_request(flow, ex, headers, self.native_options)
         elif ex.api == "chat" and isinstance(body, dict):
             added = chat.token_fields(body, self.upstream)
             if added:
@@ -272,42 +238,6 @@ class Polar:
                 ex.injected = added
                 if not pure_addition:
                     ex.upstream_request = Body.parse(sent)
-
-    def _translate_request(self, flow: http.HTTPFlow, ex: Exchange, headers: dict[str, str]) -> None:
-        """Send a native call upstream as one Chat Completions call, with the token fields."""
-        module = NATIVE[ex.api]
-        try:
-            if not isinstance(ex.request.value, dict):
-                raise native.BadRequest("the request body is not a JSON object")
-            started = module.start(ex.request.value, ex.path, headers, self.native_options)
-        except native.BadRequest as e:
-            flow.response = _json_response(400, module.error_body(400, str(e)))
-            ex.error = {"kind": "translate", "message": str(e)}
-            return
-        except Exception as e:  # a translator bug: never forward the native call untranslated
-            log.exception("polar: translating a %s request failed", ex.api)
-            message = f"polar could not translate this request: {type(e).__name__}: {e}"
-            flow.response = _json_response(500, module.error_body(500, message))
-            ex.error = {"kind": "translate", "message": message}
-            return
-        if isinstance(started, native.LocalAnswer):
-            flow.response = _json_response(started.status, started.body)
-            return
-        added = chat.token_fields(started.chat_body, self.upstream)
-        sent = merge_fields(started.chat_body, added)
-        flow.request.method = "POST"
-        flow.request.path = CHAT_PATH
-        flow.request.headers["content-type"] = "application/json"
-        flow.request.content = json.dumps(sent, ensure_ascii=False).encode("utf-8")
-        ex.injected = added
-        ex.upstream_request = Body(value=sent)
-        flow.metadata[TRANSLATION_KEY] = started
-
-    @staticmethod
-    def _error_body(api: str, status: int, message: str) -> dict[str, Any]:
-        if api in NATIVE:
-            return NATIVE[api].error_body(status, message)
-        return chat.error_body(status, message)
 
     def _set_upstream_key(self, flow: http.HTTPFlow, where: str | None) -> None:
         if where == "query":
@@ -329,11 +259,11 @@ class Polar:
         ex.content_encoding = flow.response.headers.get("content-encoding", "")
         # Only event streams are teed: mitmproxy forwards a JSON answer in one piece once it is
         # complete anyway, and streaming it chunk-wise costs ~2 ms per call on loopback.
-        translation = flow.metadata.get(TRANSLATION_KEY)
+        translation = flow.metadata.get(translating.TRANSLATION_KEY)
         if ex.streamed and translation is not None:
             flow.response.headers.pop("content-length", None)  # the client's events differ in size
             flow.response.headers["cache-control"] = "no-cache"
-            flow.response.stream = TranslatingTee(ex, translation)
+            flow.response.stream = translating.TranslatingTee(ex, translation)
         elif ex.streamed:
             flow.response.stream = Tee(ex)
 
@@ -347,32 +277,10 @@ class Polar:
             ex.response_headers = dict(flow.response.headers.items())
         if not ex.streamed:  # buffered by mitmproxy, still content-encoded: encode() undoes that
             ex.chunks, ex.chunk_times = [flow.response.raw_content or b""], [time.time()]
-            if (translation := flow.metadata.get(TRANSLATION_KEY)) is not None:
-                self._translate_answer(flow, ex, translation)
+            if (translation := flow.metadata.get(translating.TRANSLATION_KEY)) is not None:
+                translating.translate_answer(flow, ex, translation)
         ex.complete = ex.error is None
         self._submit(ex)
-
-    def _translate_answer(self, flow: http.HTTPFlow, ex: Exchange, translation: native.Translation) -> None:
-        """Rewrite a buffered upstream answer (or error) into the harness's API."""
-        assert flow.response is not None
-        status = flow.response.status_code
-        try:
-            upstream = json.loads(flow.response.content or b"null")
-        except ValueError:
-            upstream = None
-        try:
-            if status == 200 and isinstance(upstream, dict):
-                body = translation.answer(upstream)
-            else:
-                body = translation.error(status if status >= 400 else 502, _upstream_message(upstream, flow.response))
-                status = status if status >= 400 else 502
-        except Exception as e:
-            log.exception("polar: translating the %s answer failed", ex.api)
-            ex.error = {"kind": "translate", "message": f"{type(e).__name__}: {e}"}
-            status, body = 502, translation.error(502, f"polar could not translate the upstream answer: {e}")
-        flow.response.status_code = status
-        flow.response.headers["content-type"] = "application/json"
-        flow.response.content = json.dumps(body, ensure_ascii=False).encode("utf-8")
 
     @guarded
     def error(self, flow: http.HTTPFlow) -> None:
@@ -383,7 +291,7 @@ class Polar:
         # Before response headers the upstream failed us; after them, a broken stream is the
         # client leaving unless the upstream is named.
         upstream_side = ex.status is None or "server" in message.lower()
-        wire_api = "chat" if flow.metadata.get(TRANSLATION_KEY) is not None else ex.api
+        wire_api = "chat" if flow.metadata.get(translating.TRANSLATION_KEY) is not None else ex.api
         if not upstream_side and ex.error is None and _stream_ended(wire_api, ex.chunks):
             # SDKs hang up once they read the final event, sometimes before the upstream's
             # end-of-body reaches the proxy: nothing was lost, the exchange is complete.
@@ -446,63 +354,6 @@ def _stream_ended(api: str, chunks: list[bytes]) -> bool:
     marker = STREAM_END.get(api)
     tail = b"".join(chunks[-3:])[-4096:]
     return marker is not None and marker in tail
-
-
-def _upstream_message(body: Any, response: http.Response) -> str:
-    """The error message of an upstream answer, whatever its shape."""
-    if isinstance(body, dict):
-        error = body.get("error", body)
-        if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return error["message"]
-        if isinstance(body.get("message"), str):
-            return body["message"]
-    return (response.get_text(strict=False) or "")[:2000] or f"upstream answered {response.status_code}"
-
-
-def _any_api_error(status: int, message: str) -> dict[str, Any]:
-    """An error body every client parses: OpenAI's, Anthropic's and Google's shapes in one object.
-
-    mitmproxy builds its error answers without the flow, so the harness's API is unknown there.
-    """
-    return {
-        "type": "error",  # Anthropic
-        "error": {
-            "message": message,
-            "type": "api_error" if status != 504 else "timeout_error",  # OpenAI, Anthropic
-            "param": None,
-            "code": status,  # OpenAI, Google
-            "status": "DEADLINE_EXCEEDED" if status == 504 else "UNAVAILABLE",  # Google
-        },
-    }
-
-
-def _json_response(status: int, body: dict[str, Any]) -> http.Response:
-    return http.Response.make(status, json.dumps(body), {"content-type": "application/json"})
-
-
-def _answer_proxy_errors_in_json() -> None:
-    """Make mitmproxy's own error answers (upstream refused, reset, timed out) JSON, not HTML.
-
-    Harness SDKs parse error bodies as JSON, and mitmproxy 11 gives addons no hook to replace its
-    HTML error page (mitmproxy PR #7999 proposes one), so its HTTP/1 error builder is swapped.
-    """
-    try:
-        from mitmproxy.net.http import http1
-        from mitmproxy.proxy.layers.http import _http1
-    except ImportError:  # pragma: no cover - another mitmproxy layout: keep its HTML errors
-        log.warning("polar: cannot install JSON error answers on this mitmproxy version")
-        return
-    if getattr(_http1.make_error_response, "polar", False):
-        return
-
-    def make_error_response(status_code: int, message: str = "") -> bytes:
-        status = 504 if "timed out" in message.lower() or "timeout" in message.lower() else status_code
-        response = _json_response(status, _any_api_error(status, message or "proxy error"))
-        response.headers["connection"] = "close"
-        return http1.assemble_response(response)
-
-    make_error_response.polar = True  # type: ignore[attr-defined]
-    _http1.make_error_response = make_error_response
 
 
 addons = [Polar()]

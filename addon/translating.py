@@ -1,0 +1,132 @@
+"""Plumbing between mitmproxy flows and the native-API translators: requests out, answers and streams back.
+
+A native call (Anthropic, Responses, Google) goes upstream as one Chat Completions call with the
+token fields; its answer comes back in the harness's API, event by event when streamed. The
+translators themselves (anthropic.py, responses.py, google.py) are pure; see native.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from mitmproxy import http
+
+from addon import anthropic, chat, google, native, responses
+from addon.record import Body, Exchange, merge_fields
+
+log = logging.getLogger(__name__)
+
+# One module per wire API a harness may speak besides Chat Completions.
+NATIVE = {"anthropic": anthropic, "responses": responses, "google": google}
+CHAT_PATH = "/v1/chat/completions"
+TRANSLATION_KEY = "polar_translation"
+
+
+class TranslatingTee:
+    """The stream callable for a translated call: keeps the upstream's Chat Completions chunks and
+    sends the client its own API's events for each one as it arrives."""
+
+    def __init__(self, exchange: Exchange, translation: native.Translation) -> None:
+        self.exchange = exchange
+        self.translation = translation
+        self.decoder = native.ChatStream()
+        self.broken = False
+
+    def __call__(self, data: bytes) -> list[bytes]:
+        if data:
+            self.exchange.chunks.append(data)
+            self.exchange.chunk_times.append(time.time())
+        if self.broken:
+            return []
+        try:
+            chunks = list(self.decoder.decode(data) if data else self.decoder.flush())
+            out = [self.translation.events(chunk) for chunk in chunks]
+            if not data:
+                out.append(self.translation.finish(complete=True))
+        except Exception as e:  # never raise into mitmproxy's stream: end the client's stream instead
+            log.exception("polar: translating the %s stream failed", self.exchange.api)
+            self.exchange.error = {"kind": "translate", "message": f"{type(e).__name__}: {e}"}
+            self.broken = True
+            return [self.translation.finish(complete=False)]
+        return [b for b in out if b]
+
+
+def translate_request(
+    flow: http.HTTPFlow, ex: Exchange, headers: dict[str, str], options: native.Options
+) -> None:
+    """Send a native call upstream as one Chat Completions call, with the token fields."""
+    module = NATIVE[ex.api]
+    try:
+        if not isinstance(ex.request.value, dict):
+            raise native.BadRequest("the request body is not a JSON object")
+        started = module.start(ex.request.value, ex.path, headers, options)
+    except native.BadRequest as e:
+        flow.response = json_response(400, module.error_body(400, str(e)))
+        ex.error = {"kind": "translate", "message": str(e)}
+        return
+    except Exception as e:  # a translator bug: never forward the native call untranslated
+        log.exception("polar: translating a %s request failed", ex.api)
+        message = f"polar could not translate this request: {type(e).__name__}: {e}"
+        flow.response = json_response(500, module.error_body(500, message))
+        ex.error = {"kind": "translate", "message": message}
+        return
+    if isinstance(started, native.LocalAnswer):
+        flow.response = json_response(started.status, started.body)
+        return
+    added = chat.token_fields(started.chat_body, options.upstream)
+    sent = merge_fields(started.chat_body, added)
+    flow.request.method = "POST"
+    flow.request.path = CHAT_PATH
+    flow.request.headers["content-type"] = "application/json"
+    flow.request.content = json.dumps(sent, ensure_ascii=False).encode("utf-8")
+    ex.injected = added
+    ex.upstream_request = Body(value=sent)
+    flow.metadata[TRANSLATION_KEY] = started
+
+
+def translate_answer(flow: http.HTTPFlow, ex: Exchange, translation: native.Translation) -> None:
+    """Rewrite a buffered upstream answer (or error) into the harness's API."""
+    assert flow.response is not None
+    status = flow.response.status_code
+    try:
+        upstream = json.loads(flow.response.content or b"null")
+    except ValueError:
+        upstream = None
+    try:
+        if status == 200 and isinstance(upstream, dict):
+            body = translation.answer(upstream)
+        else:
+            body = translation.error(status if status >= 400 else 502, upstream_message(upstream, flow.response))
+            status = status if status >= 400 else 502
+    except Exception as e:
+        log.exception("polar: translating the %s answer failed", ex.api)
+        ex.error = {"kind": "translate", "message": f"{type(e).__name__}: {e}"}
+        status, body = 502, translation.error(502, f"polar could not translate the upstream answer: {e}")
+    flow.response.status_code = status
+    flow.response.headers["content-type"] = "application/json"
+    flow.response.content = json.dumps(body, ensure_ascii=False).encode("utf-8")
+
+
+def error_body(api: str, status: int, message: str) -> dict[str, Any]:
+    """An error body in the shape of the client's API."""
+    if api in NATIVE:
+        return NATIVE[api].error_body(status, message)
+    return chat.error_body(status, message)
+
+
+def upstream_message(body: Any, response: http.Response) -> str:
+    """The error message of an upstream answer, whatever its shape."""
+    if isinstance(body, dict):
+        error = body.get("error", body)
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return error["message"]
+        if isinstance(body.get("message"), str):
+            return body["message"]
+    return (response.get_text(strict=False) or "")[:2000] or f"upstream answered {response.status_code}"
+
+
+def json_response(status: int, body: dict[str, Any]) -> http.Response:
+    return http.Response.make(status, json.dumps(body), {"content-type": "application/json"})
