@@ -10,9 +10,14 @@ Starts the fake vLLM upstream (``tests/bench/upstream.py``) and two reverse prox
 then, over rounds that rotate the order of the three paths (so load from other processes hits
 them alike), measures (a) latency of non-streamed ~100 KB agent requests, (b) first byte and total
 time of 200-chunk SSE streams, (c) requests/s at concurrency 1 (the sequential run of (a)) and 16
-(one keep-alive httpx.Client per thread), plus the proxy's own CPU time per request. Prints a
-table with the targets (addon median <= 1.15x bare, first byte <= direct + 5 ms, throughput >= 90 %
-of bare) and writes it as Markdown, with the raw numbers as JSON next to it.
+(one keep-alive httpx.Client per thread), plus the proxy's own CPU time per request. Then, through
+the same mitmdump + addon, the translation phase (``tests/bench/translate.py``): the same ~2 KB
+agent turn as Chat Completions (the plain path), Anthropic Messages, OpenAI Responses and Google
+streamGenerateContent, interleaved call by call in a rotating order, for each: first event and total
+time of streams, per-chunk overhead against chat, non-streamed latency; every answer is checked.
+Prints tables with the targets (addon median <= 1.15x bare, first byte <= direct + 5 ms, throughput
+>= 90 % of bare, translated first event <= chat + 5 ms per API) and writes them as Markdown, with
+the raw numbers as JSON next to it.
 
 Client, upstream and proxies share the machine's cores, so absolute numbers depend on it; compare
 ratios, and the CPU rows when the machine is busy. Bare mitmdump buffers SSE (it streams only when
@@ -45,6 +50,7 @@ import tyro
 from rich.console import Console
 from rich.progress import Progress
 
+from tests.bench import translate
 from tests.bench.payload import chat_body
 from tests.bench.procs import ROOT, cpu_seconds, start_mitmdump, start_upstream, stop
 from tests.bench.report import console_tables, evaluate, markdown, summarize
@@ -74,6 +80,8 @@ class Config:
     """SSE chunks per streamed response."""
     concurrency: int = 16
     """Client threads (one keep-alive connection each) for the concurrent throughput run."""
+    apis: bool = True
+    """Also measure each API through the translating addon: chat, anthropic, responses, google."""
 
     def __post_init__(self) -> None:
         if min(self.body_kb, self.stream_body_kb, self.chunks) < 1 or self.concurrency < 2:
@@ -87,13 +95,21 @@ class Plan:
     streams: int  # streamed requests per path per round
     conc: int  # requests per path per round in the concurrent run
     limit_s: int  # hard bound on every child process's life
+    api_rounds: int  # translation phase: rounds of api_streams then api_seq calls per API
+    api_streams: int  # streamed calls per API per round, the APIs' order rotating with every call
+    api_seq: int  # non-streamed calls per API per round, likewise
 
 
 def make_plan(cfg: Config) -> Plan:
     """Many short rounds, a multiple of 3 so that each path goes first, second and third equally often."""
-    if cfg.quick:  # about 20 s on 2 cores
-        return Plan(rounds=3, seq=50, streams=6, conc=6 * cfg.concurrency, limit_s=300)
-    return Plan(rounds=12, seq=75, streams=10, conc=10 * cfg.concurrency, limit_s=900)  # about 100 s
+    if cfg.quick:  # about 20 s on 2 cores, and 15 s more for the translation phase
+        return Plan(
+            rounds=3, seq=50, streams=6, conc=6 * cfg.concurrency, limit_s=300, api_rounds=2, api_streams=12, api_seq=16
+        )
+    # about 100 s, and 40 s more for the translation phase
+    return Plan(
+        rounds=12, seq=75, streams=10, conc=10 * cfg.concurrency, limit_s=900, api_rounds=6, api_streams=16, api_seq=40
+    )
 
 
 @dataclasses.dataclass
@@ -324,6 +340,7 @@ def main(cfg: Config) -> int:
     addon_error: str | None = None
     capture: dict[str, object] = {}  # what the addon wrote, for the JSON
     addon_log: list[str] = []
+    api_paths: list[translate.ApiPath] = []
     with tempfile.TemporaryDirectory(prefix="polar-bench-") as tmpname:
         tmp = Path(tmpname)
         polar_dir = tmp / "captures"
@@ -336,6 +353,18 @@ def main(cfg: Config) -> int:
             for t in targets:
                 t.open_clients(cfg.concurrency)
             measure(targets, cfg, plan, console)
+            addon_t = next((t for t in targets if t.name == "addon"), None)
+            if cfg.apis and addon_t is not None and addon_t.alive:
+                api_paths = translate.measure(
+                    addon_t.base_url,
+                    addon_t.cpu_pid,
+                    addon_t.sent,  # so the capture-record count below covers these calls too
+                    chunks=cfg.chunks,
+                    rounds=plan.api_rounds,
+                    streams=plan.api_streams,
+                    seq=plan.api_seq,
+                    console=console,
+                )
         finally:
             died = [t for t in targets if t.proc is not None and t.proc.poll() is not None]
             for t in reversed(targets):  # proxies first, the upstream (direct's process) last
@@ -361,7 +390,15 @@ def main(cfg: Config) -> int:
         for t in targets
     }
     verdicts = evaluate(stats, cfg.concurrency)
+    api_stats = translate.summarize(api_paths, cfg.chunks) if api_paths else {}
+    if api_paths:
+        verdicts += translate.evaluate(api_stats)
     invalid = [f"{t.name}: {t.errors} failed requests, e.g. {t.error_samples[:2]}" for t in targets if t.errors]
+    invalid += [
+        f"translated {p.name}: {p.errors} failed or wrong answers of {p.requests}, e.g. {p.error_samples[:2]}"
+        for p in api_paths
+        if p.errors
+    ]
     invalid += [
         f"{t.name}: its process exited during the run (status {t.proc.returncode if t.proc else '?'})" for t in died
     ]
@@ -371,8 +408,18 @@ def main(cfg: Config) -> int:
     elif capture.get("records") == 0:
         invalid.append(f"the addon wrote no capture records under polar_dir (files: {capture['files'] or 'none'})")
 
-    console.print(*console_tables(stats, verdicts, cfg.concurrency))
+    overhead, target_table = console_tables(stats, verdicts, cfg.concurrency)
+    console.print(overhead, *([translate.table(api_stats, cfg.chunks)] if api_paths else []), target_table)
     notes = _notes(cfg, plan, time.monotonic() - t_start)
+    if api_paths:
+        notes.append(
+            f"Translation phase: {plan.api_rounds} rounds, the APIs interleaved call by call in a rotating order; "
+            f"per API and round {plan.api_streams} streams of {cfg.chunks} upstream chunks and {plan.api_seq} non-streamed "
+            "calls of the same ~2 KB agent turn (system prompt, user message, a tool call and its result, three tools) in the "
+            "API's own format, on one keep-alive connection to the same mitmdump + addon. First event: until the "
+            "client holds one complete SSE event; every answer is checked (event names and counts, the text, the "
+            "final event), and wrong ones count as failures. Per-chunk overhead = (stream total, API - chat) / chunks."
+        )
     if addon is not None:
         n, sent, nbytes = capture["records"], capture["requests_sent"], capture["bytes"]
         per = f", {nbytes / n / 1000:.0f} KB per record" if isinstance(nbytes, int) and isinstance(n, int) and n else ""
@@ -386,13 +433,15 @@ def main(cfg: Config) -> int:
 
     out = cfg.out if cfg.out.is_absolute() else ROOT / cfg.out
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(markdown(stats, verdicts, cfg.concurrency, notes))
+    api_md = translate.markdown_lines(api_stats, cfg.chunks) if api_paths else []
+    out.write_text(markdown(stats, verdicts, cfg.concurrency, notes, api_md))
     doc = {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(cfg).items()},
         "plan": dataclasses.asdict(plan),
         "stats": stats,
         "targets": verdicts,
         "paths": {t.name: _raw(t) for t in targets},
+        "apis": {"stats": api_stats, "paths": translate.raw(api_paths)},
         "addon": {"loaded": addon_error is None, "error": addon_error, **capture},
         "valid": not invalid,
         "notes": notes,

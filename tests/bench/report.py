@@ -165,14 +165,17 @@ def markdown(
     targets: list[dict[str, object]],
     concurrency: int,
     notes: Sequence[str],
+    extra: Sequence[str] = (),
 ) -> str:
-    """Two Markdown tables (metrics per path, targets) followed by notes, for the README to include."""
+    """Two Markdown tables (metrics per path, targets) followed by notes, for the README to include;
+    ``extra`` lines (another table) go between the two."""
 
     def table(head: list[str], rows: list[list[str]]) -> list[str]:
         align = ["---"] + ["---:"] * (len(head) - 1)
         return ["| " + " | ".join(r) + " |" for r in [head, align, *rows]]
 
     lines = [*table(_HEAD, _metric_rows(stats, concurrency)), ""]
+    lines += [*extra, ""] if extra else []
     lines += table(_THEAD, [[str(r["name"]), _fmt_value(r), str(r["target"]), str(r["result"])] for r in targets])
     lines += [""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"

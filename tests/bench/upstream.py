@@ -6,8 +6,10 @@ The benchmark starts it as a subprocess and reads the ``listening on`` line for 
 ``POST /v1/chat/completions`` answers at once with a small vLLM-shaped body (``prompt_token_ids``,
 ``choices[0].token_ids``, ``logprobs``). With ``"stream": true`` it sends ``bench_chunks`` SSE
 chunks (default 200, each flushed as its own HTTP chunk) and then ``data: [DONE]``, sleeping
-``bench_delay_s`` seconds between chunks (default 0). Every other request field is ignored, so
-whatever a proxy injects (``logprobs``, ``return_token_ids``, ``stream_options``) is harmless.
+``bench_delay_s`` seconds between chunks (default 0). A translating proxy rebuilds the body, so
+both can also come as request headers ``x-bench-chunks`` and ``x-bench-delay-s`` (the body fields
+win). Every other request field is ignored, so whatever a proxy injects (``logprobs``,
+``return_token_ids``, ``stream_options``) is harmless.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-__all__ = ["DEFAULT_CHUNKS", "make_server"]
+__all__ = ["CHUNKS_HEADER", "DEFAULT_CHUNKS", "DELAY_HEADER", "completion_text", "make_server"]
 
 DEFAULT_CHUNKS = 200
+CHUNKS_HEADER = "x-bench-chunks"
+DELAY_HEADER = "x-bench-delay-s"
 _MAX_CHUNKS = 100_000
 _MODEL = "bench-model"
 
@@ -64,6 +68,11 @@ def _completion_body() -> bytes:
         "usage": {"prompt_tokens": 256, "completion_tokens": len(token_ids), "total_tokens": 256 + len(token_ids)},
     }
     return json.dumps(body, separators=(",", ":")).encode()
+
+
+def completion_text() -> str:
+    """The assistant text of every non-streamed answer (streamed ones say ``tok0 tok1 ...``)."""
+    return str(json.loads(_completion_body())["choices"][0]["message"]["content"])
 
 
 @functools.lru_cache(maxsize=8)
@@ -139,8 +148,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             req = json.loads(raw)
-            n_chunks = int(req.get("bench_chunks", DEFAULT_CHUNKS))
-            delay_s = float(req.get("bench_delay_s", 0.0))
+            # The body fields win; the headers are for calls a proxy translates (their bodies are rebuilt).
+            n_chunks = int(req.get("bench_chunks", self.headers.get(CHUNKS_HEADER, DEFAULT_CHUNKS)))
+            delay_s = float(req.get("bench_delay_s", self.headers.get(DELAY_HEADER, 0.0)))
             if not 1 <= n_chunks <= _MAX_CHUNKS or not 0.0 <= delay_s <= 10.0:
                 raise ValueError("bench_chunks or bench_delay_s out of range")
         except (ValueError, TypeError, AttributeError) as e:
