@@ -311,10 +311,10 @@ def install(package_json: Path = PACKAGE_JSON, cache: Path = CACHE) -> Path:
         shutil.rmtree(target, ignore_errors=True)  # a half-done install from a killed run
         target.mkdir()
         (target / "package.json").write_bytes(spec)
-        if lock:  # the shipped lock pins every transitive package too: `npm ci` installs exactly it
+        if lock:  # the shipped lock pins the transitive packages too; `npm install` follows it
+            # (`npm ci` would refuse it: npm leaves other platforms' optional packages out of the lock)
             (target / "package-lock.json").write_bytes(lock)
-        verb = "ci" if lock else "install"
-        cmd = [npm, verb, "--no-audit", "--no-fund", "--no-update-notifier", "--loglevel=error"]
+        cmd = [npm, "install", "--no-audit", "--no-fund", "--no-update-notifier", "--loglevel=error"]
         done = subprocess.run(cmd, cwd=target, stdin=subprocess.DEVNULL, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed in {target} ({done.returncode}):\n{done.stdout}\n{done.stderr}")
