@@ -8,6 +8,16 @@ results, template glue between turns: ``loss_mask`` 0). The trainer reads only
 
 Format version 1, stored in the Parquet key-value metadata under ``polar.trajectory.version``.
 Writes are atomic (temporary file, then rename) and deterministic (same rows, same bytes).
+
+Written by ``python -m reconstruct`` (reconstruct/_merge.py has the algorithm). Notes on some columns:
+
+- ``messages`` is compact JSON ``{"messages": [...], "tools": [...] | null}`` in Chat Completions form: the
+  request messages of the trace's last call (as sent upstream) followed by the assistant message it got back
+  (``content``, ``reasoning``, ``tool_calls``), and that request's tools: enough to render the trace for SFT.
+- ``drift_turns`` is empty under ``--on-drift split`` (the default): a re-rendered turn starts a new trace there.
+- ``token_source`` is the same for every call of a trace: captured and retokenized calls never merge.
+- Next to the file, ``<stem>.stats.json`` (reconstruct/_stats.py) keeps what the table cannot show: calls that
+  had no usable tokens and why, every chain break by cause, corrupt and torn capture lines.
 """
 
 from __future__ import annotations

@@ -1,0 +1,180 @@
+"""Captured model calls → token-faithful trajectories in Parquet (format: reconstruct/schema.py).
+
+    python -m reconstruct CAPTURES... -o trajectories.parquet [--tokenizer DIR_OR_NAME] [--sessions sessions.parquet]
+        [--mode prefix|per-request] [--eot-token TOKEN] [--on-drift split|keep] [--shard I/N]
+    python -m reconstruct stats trajectories.parquet
+    python -m reconstruct audit trajectories.parquet --model DIR [--threshold 0.01]
+
+The first form writes the table and ``trajectories.stats.json`` next to it, and prints the stats (sessions,
+calls, traces, tokens, chain breaks by cause). Exit status 0 on success, 2 on bad options or unreadable input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import tyro
+from rich.console import Console
+
+from reconstruct._errors import ReconstructError
+from reconstruct.schema import SchemaError
+
+console = Console(stderr=True)
+
+
+@dataclasses.dataclass
+class Build:
+    """Rebuild trajectories from capture files."""
+
+    captures: tyro.conf.Positional[tuple[Path, ...]]
+    """Capture files, or folders whose *.jsonl files (current and rotated) are all read."""
+    output: Annotated[Path, tyro.conf.arg(aliases=("-o",))] = Path("trajectories.parquet")
+    """Trajectory Parquet to write (atomically); its stats go next to it as <stem>.stats.json."""
+    # ---- tokens
+    tokenizer: str | None = None
+    """Tokenizer (local dir or cached hub name) to rebuild ids of calls recorded without them, and to find the
+    end-of-turn token. Without it such calls are counted as dropped."""
+    eot_token: str | None = None
+    """End-of-turn token (text or id) that cuts drifted turns under --on-drift keep; default: from the chat
+    template, else voted from the calls that stopped naturally."""
+    # ---- merging
+    mode: Literal["prefix", "per-request"] = "prefix"
+    """prefix: merge calls that extend each other's prompts into long traces; per-request: one trace per call."""
+    on_drift: Literal["split", "keep"] = "split"
+    """When a prompt re-renders the previous sampled turn differently: split starts a new trace (training context =
+    rollout context); keep merges it and lists the turn in drift_turns."""
+    # ---- scope
+    sessions: Path | None = None
+    """Sessions table (session_id, task_id[, sample_id]) to fill task_id and sample_id."""
+    shard: str | None = None
+    """I/N: only the sessions whose stable hash is I modulo N (run N processes, one per shard)."""
+    progress: bool = True
+    """Show a progress bar over sessions (on a terminal)."""
+
+    def __post_init__(self) -> None:
+        if not self.captures:
+            raise ReconstructError("give at least one capture file or folder")
+
+
+@dataclasses.dataclass
+class StatsCommand:
+    """Print the stats of a trajectory file."""
+
+    file: tyro.conf.Positional[Path]
+    """Trajectory Parquet written by python -m reconstruct."""
+
+
+@dataclasses.dataclass
+class Audit:
+    """Re-score trainable tokens with a model; compare with the captured log-probs."""
+
+    file: tyro.conf.Positional[Path]
+    """Trajectory Parquet written by python -m reconstruct."""
+    model: str
+    """Model (local dir or cached hub name) that served the captured calls."""
+    threshold: float = 1e-2
+    """Report the share of trainable tokens whose |model - captured| log-prob exceeds this."""
+    chunk: int = 1024
+    """Positions per output-head chunk: bounds the logits held at once to chunk x vocabulary."""
+    max_traces: int | None = None
+    """Audit only the first N traces."""
+    device: str = "auto"
+    """cpu, cuda, cuda:1, ...; auto: cuda when available."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights dtype for scoring (the log-softmax is always float32)."""
+
+    def __post_init__(self) -> None:
+        if self.chunk < 1 or self.threshold < 0:
+            raise ReconstructError("--chunk must be >= 1 and --threshold >= 0")
+
+
+def build(config: Build) -> None:
+    from tqdm import tqdm
+
+    from reconstruct._build import parse_shard, reconstruct, stats_path, write_trajectories
+    from reconstruct._io import read_sessions
+    from reconstruct._retokenize import parse_eot
+
+    tokenizer = _tokenizer(config.tokenizer) if config.tokenizer else None
+    eot = parse_eot(config.eot_token, tokenizer) if config.eot_token else None
+    sessions = read_sessions(config.sessions) if config.sessions else None
+    started = time.perf_counter()
+    df, stats = reconstruct(
+        list(config.captures),
+        tokenizer=tokenizer,
+        sessions=sessions,
+        mode=config.mode,
+        on_drift=config.on_drift,
+        eot_id=eot,
+        shard=parse_shard(config.shard) if config.shard else None,
+        progress=(lambda names: tqdm(names, unit="session", disable=None)) if config.progress else None,
+    )
+    write_trajectories(df, stats, config.output)
+    console.print(stats.table(f"{config.output} ({time.perf_counter() - started:.1f} s)"))
+    console.print(f"wrote {config.output} and {stats_path(config.output)}", markup=False, soft_wrap=True)
+
+
+def stats(config: StatsCommand) -> None:
+    from reconstruct import schema
+    from reconstruct._build import stats_path
+    from reconstruct._json import loads
+    from reconstruct._stats import Stats, file_stats
+
+    df = schema.read(config.file)
+    sidecar = stats_path(config.file)
+    saved = Stats.from_dict(loads(sidecar.read_bytes())) if sidecar.is_file() else None
+    if saved is None:
+        note = f"{sidecar} is missing: chain breaks and dropped calls are unknown"
+        console.print(note, style="yellow", markup=False, soft_wrap=True)
+    console.print(file_stats(df, saved).table(str(config.file)))
+
+
+def audit(config: Audit) -> None:
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    from reconstruct import schema
+    from reconstruct._audit import audit as run_audit
+
+    device = config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    df = schema.read(config.file, columns=["prompt_ids", "response_ids", "loss_mask", "logprobs"])
+    if config.max_traces is not None:
+        df = df.head(config.max_traces)
+    model = AutoModelForCausalLM.from_pretrained(config.model, dtype=getattr(torch, config.dtype)).to(device).eval()
+    bar = lambda rows: tqdm(rows, total=df.height, disable=None)  # noqa: E731
+    report = run_audit(df, model, threshold=config.threshold, chunk=config.chunk, progress=bar)
+    console.print(report.table())
+
+
+def _tokenizer(name: str) -> Any:
+    if Path(name).is_dir():
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local dir needs no hub; never wait on a network
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name)
+
+
+COMMANDS = {"stats": (StatsCommand, stats), "audit": (Audit, audit)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    config_type, run = COMMANDS.get(argv[0], (Build, build)) if argv else (Build, build)
+    args = argv[1:] if argv and argv[0] in COMMANDS else argv
+    prog = "python -m reconstruct" + (f" {argv[0]}" if argv and argv[0] in COMMANDS else "")
+    try:
+        run(tyro.cli(config_type, args=args, prog=prog))  # type: ignore[operator]
+    except (ReconstructError, SchemaError, OSError) as e:
+        console.print(f"error: {e}", style="red", markup=False, highlight=False, soft_wrap=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

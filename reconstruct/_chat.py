@@ -1,0 +1,338 @@
+"""Incremental assembler of a Chat Completions answer (vLLM and SGLang, streamed or not) into its completions.
+
+    asm = ChatAssembler(streamed=True)
+    for chunk in network_chunks: asm.decode(chunk)   # bytes or text, split anywhere
+    completions = asm.flush()                        # one Completion per choice; asm.usage / .error / .torn
+
+Where the token fields come from (``../shared/reference/stack.md`` §2):
+
+- vLLM, non-streamed: top-level ``prompt_token_ids``, ``choices[i].token_ids``, ``choices[i].logprobs.content``.
+- vLLM, streamed: ``prompt_token_ids`` on the first chunk, ``token_ids`` and ``logprobs.content`` of each chunk's
+  tokens on every chunk, ``usage`` in a last ``choices: []`` chunk.
+- SGLang, non-streamed: ``choices[i].prompt_token_ids`` and ``token_ids`` (or ``response_token_ids``), and
+  ``choices[i].meta_info.output_token_logprobs`` (``[logprob, token_id, text]`` triples).
+- SGLang, streamed: per-chunk ``logprobs.content``; the ids in one ``sglext`` chunk
+  (``{"choices": [], "sglext": {"input_ids": [...], "output_ids": [[...]]}}``), also as a named
+  ``event: sglext_ids``.
+- With ``return_tokens_as_token_ids`` each log-prob entry's ``token`` is ``"token_id:<id>"``: used when ids lack.
+
+The prompt id array is lifted out of the text before parsing (``_tokens.cut_array``) and kept as text. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from reconstruct._calls import Completion
+from reconstruct._json import dumps, loads
+from reconstruct._sse import SSEDecoder, SSEEvent
+from reconstruct._tokens import TokenText, cut_array
+
+__all__ = ["ChatAssembler"]
+
+_PROMPT_KEY = "prompt_token_ids"
+_NOTHING = {"content": ""}  # the delta of a token whose text a parser holds back: nothing to assemble
+# The stream fast path (ChatAssembler._fast): what it reads, and what sends it to the exact path.
+_IDS = re.compile(r'"token_ids":\s*\[(\s*[0-9][0-9,\s]*)\]')  # never an empty list: joined as is
+_LOGPROB = re.compile(r'"logprob":\s*(-?[0-9][0-9.eE+-]*|-?Infinity|NaN)')
+_FINISH = re.compile(r'"finish_reason":\s*"([^"\\]*)"')
+_OTHER_INDEX = re.compile(r'"index":\s*[1-9]')  # a second choice, or a second tool call: the exact path
+
+
+class _Choice:
+    __slots__ = ("deltas", "finish", "ids", "logprobs", "message_", "prompt", "tokens")
+
+    def __init__(self) -> None:
+        self.ids: list[int] | None = None
+        self.logprobs: list[Any] = []
+        self.tokens: list[str] = []  # log-prob entries' token strings ("token_id:123" when asked for)
+        self.deltas: list[dict[str, Any]] = []  # streamed: assembled into the message at the end
+        self.message_: dict[str, Any] | None = None  # non-streamed: the message as sent
+        self.finish: str | None = None
+        self.prompt: TokenText | None = None
+
+    def add_logprobs(self, logprobs: Any, *, tokens: bool) -> None:
+        """Log-probs of one chunk's tokens; their token strings too when the chunk carried no ids."""
+        if not isinstance(logprobs, dict):
+            return
+        content = logprobs.get("content")
+        if isinstance(content, list):
+            try:
+                self.logprobs += [entry["logprob"] for entry in content]
+            except (KeyError, TypeError):  # an entry without a log-prob: the call then has none
+                self.logprobs += [None] * len(content)
+            if tokens:
+                self.tokens += [entry.get("token") or "" if isinstance(entry, dict) else "" for entry in content]
+        elif isinstance(logprobs.get("token_logprobs"), list):  # the legacy completions shape
+            self.logprobs += logprobs["token_logprobs"]
+
+    def message(self) -> dict[str, Any]:
+        if self.message_ is not None:
+            return self.message_
+        content: list[str] = []
+        reasoning: list[str] = []
+        calls: dict[int, dict[str, str]] = {}
+        for delta in self.deltas:
+            if isinstance(delta.get("content"), str):
+                content.append(delta["content"])
+            thought = delta.get("reasoning") or delta.get("reasoning_content")
+            if isinstance(thought, str):
+                reasoning.append(thought)
+            for call in delta.get("tool_calls") or ():
+                if not isinstance(call, dict):
+                    continue
+                empty = {"id": "", "type": "function", "name": "", "arguments": ""}
+                slot = calls.setdefault(call.get("index", len(calls)), empty)
+                slot["id"] = slot["id"] or call.get("id") or ""
+                fn = call.get("function") or {}
+                slot["name"] += fn.get("name") or ""
+                slot["arguments"] += fn.get("arguments") or ""
+        return {
+            "role": "assistant",
+            "content": "".join(content) or None,
+            "reasoning": "".join(reasoning) or None,
+            "tool_calls": [
+                {"id": c["id"], "type": c["type"], "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for _, c in sorted(calls.items())
+            ],
+        }
+
+    def completion(self, index: int, prompt: TokenText | None) -> Completion:
+        ids = self.ids
+        if ids is None and self.tokens and all(t.startswith("token_id:") for t in self.tokens):
+            ids = [int(t[9:]) for t in self.tokens]
+        logprobs: list[float] | None = self.logprobs
+        if ids is None or len(self.logprobs) != len(ids) or not _numbers(self.logprobs):
+            logprobs = None
+        return Completion(index, self.prompt or prompt, ids, logprobs, self.finish, self.message)
+
+
+class ChatAssembler:
+    """Feeds on the response body of one Chat Completions exchange; ``flush`` returns its completions.
+
+    A vLLM stream sends one chunk per token, so parsing every chunk costs more than everything else together.
+    ``flush`` first reads such a stream's ids and log-probs with three regular expressions over the whole text
+    and keeps the result only when it checks out exactly (one choice, as many ids as log-probs as the usage
+    count says, no error, no SGLang extension); anything else, and the message of a stream (read lazily), goes
+    through the exact path: event by event. ``fast=False`` forces the exact path."""
+
+    def __init__(self, *, streamed: bool, fast: bool = True) -> None:
+        self.streamed = streamed
+        self.fast = fast
+        self.usage: dict[str, Any] | None = None
+        self.error: str | None = None  # an error body or error event
+        self.torn = False  # the stream (or the JSON body) ended before it was complete
+        self.model: str | None = None
+        self.path = "exact"  # which path read the answer (fast: see above)
+        self._parts: list[Any] = []  # the body so far
+        self._choices: dict[int, _Choice] = {}
+        self._prompt: TokenText | None = None
+        self._sglext_output: Any = None
+
+    def decode(self, chunk: bytes | str) -> list[Completion]:
+        self._parts.append(chunk)
+        return []
+
+    def flush(self) -> list[Completion]:
+        parts, self._parts = self._parts, []
+        text = b"".join(parts).decode("utf-8", "replace") if parts and isinstance(parts[0], bytes) else "".join(parts)
+        if not self.streamed:
+            self._body(text)
+        elif self.fast and (found := self._fast(text)) is not None:
+            return found
+        else:
+            sse = SSEDecoder()
+            self._events(sse.decode(text))
+            sse.flush()
+            self.torn = sse.torn or self.torn
+        if self._sglext_output is not None:
+            outputs = self._sglext_output
+            if outputs and not isinstance(outputs[0], list):
+                outputs = [outputs]
+            for index, ids in enumerate(outputs):
+                choice = self._choices.setdefault(index, _Choice())
+                if choice.ids is None and isinstance(ids, list):
+                    choice.ids = list(ids)
+        return [choice.completion(index, self._prompt) for index, choice in sorted(self._choices.items())]
+
+    def _fast(self, text: str) -> list[Completion] | None:
+        rest, array = cut_array(text, _PROMPT_KEY)  # the checks below then scan the stream, not the prompt
+        if "\r" in rest or "\nevent:" in rest or '"error":' in rest or '"sglext":' in rest or _OTHER_INDEX.search(rest):
+            return None
+        end = rest.rfind('"usage"')
+        start = rest.rfind("\ndata: {", 0, end) + 7
+        if array is None or end < 0 or start < 7:
+            return None
+        try:
+            last = loads(rest[start : rest.index("\n", start)])
+            ids = loads("[" + ",".join(_IDS.findall(rest)) + "]")
+            logprobs = [float(m) for m in _LOGPROB.findall(rest)]
+        except ValueError:
+            return None
+        usage = last.get("usage") if isinstance(last, dict) else None
+        prompt = TokenText.from_json(array)
+        if not (isinstance(usage, dict) and usage.get("completion_tokens") == len(ids) == len(logprobs) > 0):
+            return None
+        if usage.get("prompt_tokens") not in (None, prompt.n):
+            return None
+        self.usage, self.model, self.path = usage, last.get("model"), "fast"
+        finish = _FINISH.findall(rest)
+        return [Completion(0, prompt, ids, logprobs, finish[-1] if finish else None, lambda: _exact_message(rest))]
+
+    # ---- streamed
+    def _events(self, events: list[SSEEvent]) -> None:
+        datas: list[str] = []
+        names: list[str] = []
+        for event in events:
+            data = event.data
+            if data == "[DONE]":
+                continue
+            if self._prompt is None and _PROMPT_KEY in data:
+                data, array = cut_array(data, _PROMPT_KEY)
+                if array is not None:
+                    self._prompt = TokenText.from_json(array)
+            datas.append(data)
+            names.append(event.event)
+        if not datas:
+            return
+        try:  # one parse for the whole batch: per-token chunks are many and small
+            objects = loads("[" + ",".join(datas) + "]")
+        except ValueError:
+            objects = []
+            for data in datas:
+                try:
+                    objects.append(loads(data))
+                except ValueError:
+                    objects.append(None)
+                    self.torn = True  # a damaged event: the stream is not whole
+        for name, obj in zip(names, objects):
+            if isinstance(obj, dict):
+                self._chunk(obj, name)
+
+    def _chunk(self, obj: dict[str, Any], name: str) -> None:
+        choices = obj.get("choices")
+        if not choices:
+            self._extra(obj, name)
+            return
+        for raw in choices:  # one pass per token chunk: kept to plain dict reads
+            if not isinstance(raw, dict):
+                continue
+            choice = self._choices.get(raw.get("index", 0))
+            if choice is None:
+                choice = self._choices[raw.get("index", 0)] = _Choice()
+            ids = raw.get("token_ids")
+            if isinstance(ids, list):
+                if choice.ids is None:
+                    choice.ids = []
+                choice.ids += ids
+            logprobs = raw.get("logprobs")
+            if logprobs:
+                content = logprobs.get("content") if isinstance(logprobs, dict) else None
+                if ids and isinstance(content, list) and len(content) == 1 and isinstance(content[0], dict):
+                    choice.logprobs.append(content[0].get("logprob"))  # vLLM's one token per chunk
+                else:
+                    choice.add_logprobs(logprobs, tokens=not isinstance(ids, list))
+            delta = raw.get("delta")
+            if isinstance(delta, dict) and delta and delta != _NOTHING:
+                choice.deltas.append(delta)
+            if raw.get("finish_reason"):
+                choice.finish = raw["finish_reason"]
+        if obj.get("usage"):  # vLLM's continuous_usage_stats: on every chunk, the last one counts
+            self.usage = obj["usage"]
+
+    def _extra(self, obj: dict[str, Any], name: str) -> None:
+        """A chunk without choices: an error, the usage, SGLang's ids."""
+        if name == "error" or "error" in obj:
+            self.error = self.error or _error_text(obj.get("error", obj))
+            return
+        self.model = self.model or obj.get("model")
+        if isinstance(obj.get("usage"), dict):
+            self.usage = obj["usage"]
+        ext = obj.get("sglext") if "sglext" in obj else obj if name == "sglext_ids" else None
+        if isinstance(ext, dict):
+            if self._prompt is None and isinstance(ext.get("input_ids"), list):
+                self._prompt = TokenText.from_ids(ext["input_ids"])
+            if isinstance(ext.get("output_ids"), list):
+                self._sglext_output = ext["output_ids"]
+
+    # ---- non-streamed
+    def _body(self, text: str) -> None:
+        text, array = cut_array(text, _PROMPT_KEY)
+        if array is not None:
+            self._prompt = TokenText.from_json(array)
+        try:
+            body = loads(text)
+        except ValueError:
+            self.torn = True
+            return
+        if not isinstance(body, dict):
+            self.error = "the answer is not a JSON object"
+            return
+        if "error" in body or body.get("object") == "error":
+            self.error = _error_text(body.get("error", body))
+            return
+        self.model = body.get("model")
+        self.usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
+        ext = body.get("sglext")
+        if isinstance(ext, dict):
+            if self._prompt is None and isinstance(ext.get("input_ids"), list):
+                self._prompt = TokenText.from_ids(ext["input_ids"])
+            self._sglext_output = ext.get("output_ids")
+        for raw in body.get("choices") or []:
+            if isinstance(raw, dict):
+                self._choices[raw.get("index", len(self._choices))] = _full_choice(raw)
+
+
+def _full_choice(raw: dict[str, Any]) -> _Choice:
+    choice = _Choice()
+    if isinstance(raw.get("prompt_token_ids"), list):  # SGLang, choices after the one cut_array lifted
+        choice.prompt = TokenText.from_ids(raw["prompt_token_ids"])
+    ids = raw.get("token_ids") if raw.get("token_ids") is not None else raw.get("response_token_ids")
+    choice.ids = list(ids) if isinstance(ids, list) else None
+    choice.add_logprobs(raw.get("logprobs"), tokens=choice.ids is None)
+    meta = raw.get("meta_info")
+    triples = meta.get("output_token_logprobs") if isinstance(meta, dict) else None
+    if isinstance(triples, list) and all(isinstance(t, list) and len(t) >= 2 for t in triples):
+        if choice.ids is None:
+            choice.ids = [t[1] for t in triples]
+        if len(choice.logprobs) != len(choice.ids):
+            choice.logprobs = [t[0] for t in triples]
+    message = raw.get("message") if isinstance(raw.get("message"), dict) else {}
+    calls = []
+    for call in message.get("tool_calls") or []:
+        if isinstance(call, dict):
+            fn = call.get("function") or {}
+            args = fn.get("arguments")
+            arguments = args if isinstance(args, str) else "" if args is None else dumps(args)
+            function = {"name": fn.get("name") or "", "arguments": arguments}
+            calls.append({"id": call.get("id") or "", "type": call.get("type") or "function", "function": function})
+    choice.message_ = {
+        "role": "assistant",
+        "content": message.get("content") if isinstance(message.get("content"), str) else None,
+        "reasoning": message.get("reasoning") or message.get("reasoning_content"),
+        "tool_calls": calls,
+    }
+    choice.finish = raw.get("finish_reason")
+    return choice
+
+
+def _exact_message(text: str) -> dict[str, Any]:
+    asm = ChatAssembler(streamed=True, fast=False)
+    asm.decode(text)
+    found = asm.flush()
+    return found[0].message if found else {"role": "assistant", "content": None, "reasoning": None, "tool_calls": []}
+
+
+def _numbers(values: list[Any]) -> bool:
+    try:
+        sum(values)  # C speed; a None (an entry without a log-prob) or a string raises
+    except TypeError:
+        return False
+    return True
+
+
+def _error_text(error: Any) -> str:
+    if isinstance(error, dict):
+        return str(error.get("message") or error)
+    return str(error)

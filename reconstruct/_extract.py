@@ -1,0 +1,186 @@
+"""From one capture record to the model calls it holds, per wire API.
+
+``EXTRACTORS`` maps a record's ``api`` to a function ``(record, retokenizer) -> list[Call]``:
+
+- ``chat``: the upstream exchange is Chat Completions (``ChatAssembler``): vLLM or SGLang, streamed or not.
+- ``anthropic``, ``responses``, ``google``: once the addon translates these (issue 3), the record carries the
+  Chat Completions exchange it had with the upstream (``upstream_request`` and ``response_body``), and the chat
+  extractor reads it. A record of a native call that was passed through untranslated needs a converter to
+  Chat Completions form for retokenization: ``register_native(api, converter)`` plugs one in, where
+  ``converter(record)`` returns the record rewritten as a chat exchange (or None when it cannot).
+- Records of other paths (``/v1/models``, ``count_tokens``) are not model calls: ``extract`` returns None.
+
+Pure: no I/O (the tokenizer, when given, is already loaded).
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable
+from typing import Any
+
+from addon.record import upstream_body
+from reconstruct._calls import Call, Completion, Problem
+from reconstruct._chat import ChatAssembler
+from reconstruct._errors import RetokenizeError
+from reconstruct._retokenize import Retokenizer
+from reconstruct._tokens import TokenText
+
+__all__ = ["EXTRACTORS", "NATIVE_CONVERTERS", "extract", "register_native"]
+
+Extractor = Callable[[dict[str, Any], Retokenizer | None], list[Call]]
+NATIVE_CONVERTERS: dict[str, Callable[[dict[str, Any]], dict[str, Any] | None]] = {}
+
+# Notes a call can carry, counted in the stats.
+IDS_DISAGREE = "captured ids disagree with usage"  # the upstream dropped ids (vllm#27482): rebuilt or dropped
+USAGE_MISMATCH = "retokenized counts disagree with usage"
+
+
+def extract(record: dict[str, Any], retokenizer: Retokenizer | None) -> list[Call] | None:
+    """The calls of one record, or None when it is not a model call."""
+    path = str(record.get("path") or "").partition("?")[0].rstrip("/")
+    extractor = EXTRACTORS.get(str(record.get("api")))
+    if extractor is None or path.endswith("/count_tokens"):
+        return None
+    return extractor(record, retokenizer)
+
+
+def register_native(api: str, converter: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
+    NATIVE_CONVERTERS[api] = converter
+
+
+def extract_translated(record: dict[str, Any], retokenizer: Retokenizer | None) -> list[Call]:
+    # A translated exchange always has its own upstream body (the native request is kept in ``request``);
+    # Anthropic bodies have ``messages`` too, so the request alone proves nothing.
+    body = record.get("upstream_request")
+    if isinstance(body, dict) and isinstance(body.get("messages"), list):
+        return extract_chat(record, retokenizer)
+    converter = NATIVE_CONVERTERS.get(str(record.get("api")))
+    converted = converter(record) if converter is not None else None
+    if converted is not None:
+        return extract_chat(converted, retokenizer)
+    return [_failed(record, None, Problem.NATIVE, f"{record.get('api')} call without a Chat Completions exchange")]
+
+
+def extract_chat(record: dict[str, Any], retokenizer: Retokenizer | None) -> list[Call]:
+    body = upstream_body(record)
+    if not (isinstance(body, dict) and isinstance(body.get("messages"), list)):
+        return [_failed(record, None, Problem.ERROR, "the request is not a Chat Completions body")]
+    text = _response_text(record)
+    status = record.get("status")
+    if text is None or status != 200:
+        reason = (record.get("error") or {}).get("message") if isinstance(record.get("error"), dict) else None
+        return [_failed(record, body, Problem.ERROR, f"status {status}: {reason or (text or '')[:200]}")]
+    asm = ChatAssembler(streamed=not text.lstrip().startswith("{"))
+    asm.decode(text)
+    said = ("content", "reasoning", "tool_calls")
+    completions = [c for c in asm.flush() if c.token_ids or any(c.message.get(k) for k in said)]
+    if not completions:
+        return [_failed(record, body, Problem.ERROR, asm.error or "the answer holds no completion")]
+    complete = record.get("complete") is True and not asm.torn and asm.error is None
+    ids_ok = _ids_agree_with_usage(completions, asm.usage)
+    calls = []
+    for comp in completions:
+        call = _call(record, body, comp, complete, len(completions))
+        if ids_ok and comp.prompt is not None and comp.token_ids:
+            call.prompt, call.output_ids, call.logprobs = comp.prompt, comp.token_ids, comp.logprobs
+        elif retokenizer is not None:
+            _retokenize(call, body, comp, retokenizer, asm.usage if len(completions) == 1 else None)
+        else:
+            call.problem, call.detail = Problem.MISSING_IDS, "no token ids in the answer and no --tokenizer"
+        if not ids_ok:
+            call.notes.append(IDS_DISAGREE)
+        calls.append(call)
+    return calls
+
+
+def _call(record: dict[str, Any], body: dict[str, Any], comp: Completion, complete: bool, n: int) -> Call:
+    rid = str(record.get("id"))
+    request = record.get("request") if isinstance(record.get("request"), dict) else body
+    return Call(
+        exchange_id=rid if n == 1 else f"{rid}#{comp.index}",
+        session_id=str(record.get("session_id")),
+        order=(float(record.get("t_start") or 0.0), rid, comp.index),
+        api=str(record.get("api")),
+        model=request.get("model") if isinstance(request.get("model"), str) else None,
+        prompt=None,
+        output_ids=None,
+        logprobs=None,
+        finish_reason=comp.finish_reason,
+        complete=complete,
+        source="captured",
+        messages=body["messages"],
+        tools=body.get("tools") if isinstance(body.get("tools"), list) else None,
+        completion=comp,
+    )
+
+
+def _retokenize(
+    call: Call, body: dict[str, Any], comp: Completion, retokenizer: Retokenizer, usage: dict[str, Any] | None
+) -> None:
+    kwargs = body.get("chat_template_kwargs") if isinstance(body.get("chat_template_kwargs"), dict) else None
+    finish = comp.finish_reason if call.complete else None
+    try:
+        prompt = retokenizer.prompt_ids(body["messages"], call.tools, kwargs)
+        output = retokenizer.output_ids(body["messages"], call.tools, kwargs, comp.message, finish)
+    except RetokenizeError as e:
+        call.problem, call.detail = Problem.TEMPLATE, str(e)
+        return
+    sampled = usage.get("completion_tokens") if usage else None
+    if finish == "length" and isinstance(sampled, int) and 0 < sampled < len(output):
+        # The template closed the cut turn (a "</think>", a quote) where the model had sampled nothing more:
+        # the usage count says how many ids were really sampled.
+        output = output[:sampled]
+    call.prompt, call.output_ids, call.logprobs, call.source = TokenText.from_ids(prompt), output, None, "retokenized"
+    if usage and (usage.get("prompt_tokens"), usage.get("completion_tokens")) != (len(prompt), len(output)):
+        call.notes.append(USAGE_MISMATCH)
+
+
+def _ids_agree_with_usage(completions: list[Completion], usage: dict[str, Any] | None) -> bool:
+    """vLLM can drop ids from a stream (a reasoning parser with include_reasoning=false, vllm#27482): the usage
+    counts tell. No usage (a torn stream) is no evidence against the ids."""
+    if not usage or any(c.token_ids is None or c.prompt is None for c in completions):
+        return True
+    sampled = sum(len(c.token_ids or []) for c in completions)
+    prompt = completions[0].prompt
+    prompt_ok = usage.get("prompt_tokens") in (None, prompt.n if prompt else None)
+    return usage.get("completion_tokens") in (None, sampled) and prompt_ok
+
+
+def _failed(record: dict[str, Any], body: dict[str, Any] | None, problem: str, detail: str) -> Call:
+    rid = str(record.get("id"))
+    request = record.get("request") if isinstance(record.get("request"), dict) else {}
+    return Call(
+        exchange_id=rid,
+        session_id=str(record.get("session_id")),
+        order=(float(record.get("t_start") or 0.0), rid, 0),
+        api=str(record.get("api")),
+        model=request.get("model") if isinstance(request.get("model"), str) else None,
+        prompt=None,
+        output_ids=None,
+        logprobs=None,
+        finish_reason=None,
+        complete=False,
+        source="captured",
+        messages=body.get("messages") if body else None,
+        tools=None,
+        completion=None,
+        problem=problem,
+        detail=detail,
+    )
+
+
+def _response_text(record: dict[str, Any]) -> str | None:
+    if isinstance(record.get("response_body"), str):
+        return record["response_body"]
+    if isinstance(record.get("response_b64"), str):  # not UTF-8: torn inside a character, most likely
+        return base64.b64decode(record["response_b64"]).decode("utf-8", "replace")
+    return None
+
+
+EXTRACTORS: dict[str, Extractor] = {
+    "chat": extract_chat,
+    "anthropic": extract_translated,
+    "responses": extract_translated,
+    "google": extract_translated,
+}

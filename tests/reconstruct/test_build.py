@@ -1,0 +1,148 @@
+"""reconstruct/_build.py and _io.py: capture folders → the trajectory table, its stats, its file."""
+
+import json
+import shutil
+
+import numpy as np
+import polars as pl
+import pytest
+from polars.testing import assert_frame_equal
+from transformers import AutoTokenizer
+
+from reconstruct import CaptureError, ConfigError, parse_shard, read_sessions, reconstruct, schema, stats_path, write_trajectories
+from reconstruct._stats import Stats, file_stats
+from tests.reconstruct.conftest import EXPECTED_CALLS, S, oracle
+
+
+@pytest.fixture(scope="module")
+def tokenizer(captures):
+    return AutoTokenizer.from_pretrained(captures.model_dir)
+
+
+@pytest.fixture(scope="module")
+def folder(captures, tmp_path_factory):
+    """The real vLLM capture file rotated into two, with damage a crash or another writer leaves: a corrupt
+    line, a record of a future format version, a non-model call and a torn last line."""
+    out = tmp_path_factory.mktemp("rotated")
+    (path,) = captures.vllm_dir.glob("*.jsonl")
+    lines = path.read_bytes().split(b"\n")[:-1]
+    half = len(lines) // 2
+    future = json.loads(lines[0])
+    future["v"], future["id"] = 2, "f" * 32
+    other = {**json.loads(lines[1]), "id": "e" * 32, "api": "other", "path": "/v1/models", "request": None}
+    first = lines[:half] + [b"{this is not json", json.dumps(future).encode(), json.dumps(other).encode()]
+    (out / path.name).write_bytes(b"\n".join(first) + b"\n")
+    (out / path.name.replace(".jsonl", ".1.jsonl")).write_bytes(b"\n".join(lines[half:]) + b"\n" + lines[0][:300])
+    return out
+
+
+@pytest.fixture(scope="module")
+def built(folder, captures, tokenizer):
+    return reconstruct([folder, captures.plain_dir], tokenizer=tokenizer)
+
+
+def test_stats_count_everything(built, tokenizer):
+    df, stats = built
+    assert (stats.files, stats.lines, stats.corrupt_lines, stats.torn_lines) == (3, 34, 1, 1)
+    assert (stats.unsupported_records, stats.other_records) == (1, 1)
+    assert (stats.sessions, stats.calls, stats.merged_calls, stats.traces) == (9, 31, 31, 14)
+    assert stats.breaks == {
+        "prompt_rewritten": 1, "separate_agent": 1, "sibling": 1, "drift": 2, "missing_ids": 0, "incomplete": 0
+    }  # fmt: skip
+    assert (stats.retokenized_calls, stats.dropped, stats.notes, stats.eot_id) == (6, {}, {}, 2)
+    assert stats.tokens_trainable == df["loss_mask"].list.sum().sum()
+    assert stats.tokens_trainable + stats.tokens_masked == df["response_ids"].list.len().sum()
+    assert stats.tokens_prompt == df["prompt_ids"].list.len().sum() and stats.max_calls_per_trace == 3
+
+
+def test_every_row_is_faithful_and_no_call_is_missing(built, captures):
+    df, _ = built
+    records = {r["id"]: r for r in captures.records()}
+    assert df["trace_id"].to_list() == [f"{s}/{k}" for s, k in zip(df["session_id"], df["chain_index"])]
+    assert df["session_id"].to_list() == sorted(df["session_id"])  # sessions in order, traces by first call
+    for row in df.iter_rows(named=True):
+        mask = np.array(row["loss_mask"], dtype=bool)
+        ids = np.array(row["response_ids"])[mask].tolist()
+        if row["token_source"] == "captured":
+            want = [oracle(records[e]) for e in row["exchange_ids"]]
+            assert row["prompt_ids"] == want[0][0]
+            assert ids == [i for w in want for i in w[1]]
+            logprobs = np.array(row["logprobs"], dtype=np.float32)
+            assert logprobs[mask].tolist() == np.array([x for w in want for x in w[2]], dtype=np.float32).tolist()
+            assert not logprobs[~mask].any()
+        else:
+            assert row["logprobs"] is None and row["session_id"].startswith("plain")
+        assert row["n_calls"] == len(row["exchange_ids"]) and row["api"] == "chat" and row["model"] == "tiny"
+        conversation = json.loads(row["messages"])
+        last = records[row["exchange_ids"][-1]]
+        assert conversation["messages"][:-1] == last["request"]["messages"]
+        assert conversation["messages"][-1]["role"] == "assistant" and conversation["tools"] == last["request"]["tools"]
+        assert row["task_id"] is None and row["sample_id"] is None and row["reward"] is None
+    calls = df.group_by("session_id").agg(pl.col("n_calls").sum()).sort("session_id")
+    assert dict(calls.iter_rows()) == EXPECTED_CALLS
+
+
+def test_the_file_is_atomic_deterministic_and_keeps_its_stats(built, folder, captures, tokenizer, tmp_path):
+    df, stats = built
+    a = write_trajectories(df, stats, tmp_path / "a" / "trajectories.parquet")
+    again = reconstruct([captures.plain_dir, folder], tokenizer=tokenizer)  # argument order does not matter
+    b = write_trajectories(*again, tmp_path / "b" / "trajectories.parquet")
+    assert a.read_bytes() == b.read_bytes() and stats_path(a).read_bytes() == stats_path(b).read_bytes()
+    assert sorted(p.name for p in a.parent.iterdir()) == ["trajectories.parquet", "trajectories.stats.json"]
+    assert_frame_equal(schema.read(a), df)
+    saved = Stats.from_dict(json.loads(stats_path(a).read_bytes()))
+    assert saved == stats and file_stats(schema.read(a), saved) == stats
+
+
+def test_shards_partition_the_sessions(built, folder, captures, tokenizer):
+    df, _ = built
+    parts = [reconstruct([folder, captures.plain_dir], tokenizer=tokenizer, shard=(i, 3))[0] for i in range(3)]
+    assert all(p.height for p in parts) and not set(parts[0]["session_id"]) & set(parts[1]["session_id"])
+    assert_frame_equal(pl.concat(parts).sort("session_id", "chain_index"), df)
+    assert parse_shard("2/3") == (2, 3)
+    for bad in ("3/3", "a/b", "1", "-1/2"):
+        with pytest.raises(ConfigError):
+            parse_shard(bad)
+
+
+def test_sessions_table_fills_task_and_sample(folder, captures, tokenizer, tmp_path):
+    table = pl.DataFrame(
+        {"session_id": [S.retry, S.subagents], "task_id": ["t1", "t2"], "sample_id": [0, 3], "harness": ["pi", "qwen"]}
+    )
+    table.write_parquet(tmp_path / "sessions.parquet")
+    sessions = read_sessions(tmp_path / "sessions.parquet")
+    assert sessions == {S.retry: ("t1", 0), S.subagents: ("t2", 3)}
+    df, _ = reconstruct([folder], sessions=sessions)
+    got = df.group_by("session_id").agg(pl.col("task_id").first(), pl.col("sample_id").first())
+    assert dict((s, (t, n)) for s, t, n in got.iter_rows()) == {
+        **{s: (None, None) for s in df["session_id"].unique()}, S.retry: ("t1", 0), S.subagents: ("t2", 3)
+    }  # fmt: skip
+    pl.DataFrame({"session_id": ["a"]}).write_parquet(tmp_path / "bad.parquet")
+    with pytest.raises(ConfigError, match="task_id"):
+        read_sessions(tmp_path / "bad.parquet")
+    pl.DataFrame({"session_id": ["a", "a"], "task_id": ["x", "y"]}).write_parquet(tmp_path / "twice.parquet")
+    with pytest.raises(ConfigError, match="more than once"):
+        read_sessions(tmp_path / "twice.parquet")
+
+
+def test_without_a_tokenizer_plain_calls_are_dropped_and_counted(folder, captures):
+    df, stats = reconstruct([folder, captures.plain_dir])
+    assert stats.dropped == {"missing_ids": 6} and stats.calls == 31 and stats.merged_calls == 25
+    assert set(df["token_source"]) == {"captured"} and stats.eot_id is None
+
+
+def test_per_request_and_keep_modes(folder, tokenizer):
+    df, stats = reconstruct([folder], tokenizer=tokenizer, mode="per-request")
+    assert df.height == stats.traces == 25 and set(df["n_calls"]) == {1} and sum(stats.breaks.values()) == 0
+    df, stats = reconstruct([folder], on_drift="keep")  # end-of-turn voted per session
+    assert stats.breaks["drift"] == 0 and stats.drift_turns == 2 and stats.traces == 10
+
+
+def test_bad_inputs(tmp_path):
+    with pytest.raises(CaptureError, match="no such"):
+        reconstruct([tmp_path / "missing"])
+    with pytest.raises(CaptureError, match="no \\*.jsonl"):
+        reconstruct([tmp_path])
+    shutil.copy(__file__, tmp_path / "x.jsonl")  # not records at all: every line is corrupt, nothing is built
+    df, stats = reconstruct([tmp_path])
+    assert df.height == 0 and stats.corrupt_lines > 0 and stats.sessions == 0
