@@ -22,8 +22,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
+# Benchmarks, not tests: each prints a table and writes tests/bench/results/<name>.md and .json.
 bench: $(STAMP)
 	$(BIN)/python -m tests.bench.proxy
+	$(BIN)/python -m tests.bench.reconstruct
+	$(BIN)/python -m tests.bench.train
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
