@@ -1,1 +1,9 @@
-"""train package."""
+"""train package: GRPO on LoRA adapters from trajectory Parquet.
+
+    accelerate launch --config_file train/configs/cpu.yaml train/grpo.py \
+        --trajectories T.parquet --model DIR_OR_NAME --output ADAPTER_DIR
+
+grpo.py is the algorithm, read top to bottom; losses.py (advantages, weights, truncation, the clipped objective),
+logprobs.py (chunked log-probs), data.py (reading, checking, packing) and runtime.py (metrics, checkpoints,
+saving) are what it calls; configs/ holds the Accelerate configs (CPU, one GPU, DDP, FSDP, DeepSpeed ZeRO-2/3).
+"""

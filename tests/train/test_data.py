@@ -1,0 +1,149 @@
+"""train/data.py: reading and checking trajectory files, truncation, planning, packing, collation."""
+
+import numpy as np
+import polars as pl
+import pytest
+
+from reconstruct import schema
+from tests.train.helpers import groups, trace, write
+from train import data
+
+
+def test_load_reads_sessions_rewards_and_traces(tmp_path):
+    rows = groups({"a": [1.0, 0.0], "b": [0.5, 0.5]}, traces=2)
+    rollout = data.load([write(tmp_path / "t.parquet", rows)])
+    assert rollout.session_ids == ["a-0", "a-1", "b-0", "b-1"]
+    assert rollout.task_ids == ["a", "a", "b", "b"]
+    assert rollout.reward.tolist() == [1.0, 0.0, 0.5, 0.5]
+    assert rollout.trace_session.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    for m, row in enumerate(rows):
+        assert rollout.prompt[m].tolist() == row["prompt_ids"]
+        assert rollout.response[m].tolist() == row["response_ids"]
+        assert rollout.loss_mask[m].tolist() == [bool(x) for x in row["loss_mask"]]
+        if row["logprobs"] is None:
+            assert rollout.logprobs[m] is None
+        else:
+            np.testing.assert_allclose(rollout.logprobs[m], row["logprobs"], rtol=1e-6)
+
+
+def test_load_drops_sessions_without_reward_or_task_and_counts_them(tmp_path):
+    rows = [trace(session="a"), trace(session="b", reward=None), trace(session="c", task=None)]
+    rollout = data.load([write(tmp_path / "t.parquet", rows)])
+    assert rollout.session_ids == ["a"]
+    assert rollout.dropped_sessions == {"no_reward": 1, "no_task": 1}
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        (trace(mask=[1, 1]), "response_ids and loss_mask lengths differ"),
+        (trace(logprobs=[-1.0, -1.0]), "response_ids and logprobs lengths differ"),
+        (trace(prompt=[]), "empty prompt_ids"),
+        (trace(mask=[1, 2, 0]), "loss_mask holds values other than 0 and 1"),
+        (trace(logprobs=[-1.0, float("nan"), 0.0]), "NaN, inf or positive"),
+        (trace(logprobs=[-1.0, 0.5, 0.0]), "NaN, inf or positive"),
+        (trace(response=[4, -5, 6]), "negative token ids"),
+    ],
+)
+def test_bad_rows_are_refused_with_file_row_and_session(tmp_path, row, message):
+    path = write(tmp_path / "t.parquet", [trace(session="ok"), {**row, "session_id": "bad"}])
+    with pytest.raises(data.DataError, match=message) as e:
+        data.load([path])
+    assert f"{path} row 1 (session 'bad')" in str(e.value)
+
+
+def test_no_rewards_no_tasks_and_inconsistent_sessions_are_refused(tmp_path):
+    with pytest.raises(data.DataError, match="no rewards joined"):
+        data.load([write(tmp_path / "a.parquet", [trace(reward=None), trace(session="s1", reward=None)])])
+    with pytest.raises(data.DataError, match="no task ids"):
+        data.load([write(tmp_path / "b.parquet", [trace(task=None)])])
+    with pytest.raises(data.DataError, match="session 's0'.*disagree"):
+        data.load([write(tmp_path / "c.parquet", [trace(reward=1.0), trace(reward=0.0, chain=1)])])
+    with pytest.raises(data.DataError, match=r"row 1 \(session 's1'\): reward nan"):
+        data.load([write(tmp_path / "d.parquet", [trace(), trace(session="s1", reward=float("nan"))])])
+    with pytest.raises(data.DataError, match="no such trajectory file"):
+        data.load([tmp_path / "missing.parquet"])
+
+
+def test_missing_columns_are_named(tmp_path):
+    path = tmp_path / "t.parquet"
+    df = pl.DataFrame([trace()], schema=schema.SCHEMA).drop("reward", "logprobs")
+    df.write_parquet(path, metadata={schema.VERSION_KEY: str(schema.FORMAT_VERSION)})
+    with pytest.raises(data.DataError, match=r"missing columns \['logprobs', 'reward'\]"):
+        data.load([path])
+
+
+def test_files_are_concatenated(tmp_path):
+    a = write(tmp_path / "a.parquet", [trace(session="x", reward=1.0)])
+    b = write(tmp_path / "b.parquet", [trace(session="y", reward=0.0)])
+    assert data.load([a, b]).session_ids == ["x", "y"]
+
+
+def _rollout(tmp_path, rows):
+    return data.load([write(tmp_path / "t.parquet", rows)])
+
+
+def test_make_traces_truncates_causally_and_counts_what_it_skips(tmp_path):
+    rows = [
+        trace(session="fits", prompt=[1, 2], response=[3, 4, 5], mask=[0, 1, 1], logprobs=[0.0, -0.5, -0.25]),
+        trace(session="cut", prompt=[1, 2, 3], response=[4, 5, 6, 7], mask=[1, 0, 1, 1]),
+        trace(session="long_prompt", prompt=[1] * 6, response=[2]),
+        trace(session="nothing", prompt=[1, 2, 3, 4], response=[5, 6, 7], mask=[0, 1, 1]),
+        trace(session="equal", task="other"),
+    ]
+    rollout = _rollout(tmp_path, rows)
+    adv = np.array([1.0, -1.0, 2.0, 3.0, 0.0])
+    usable = np.array([True, True, True, True, False])
+    traces, counts = data.make_traces(rollout, adv, usable, max_len=5)
+    assert counts == {"truncated": 2, "prompt_too_long": 1, "nothing_trained": 1, "zero_std": 1}
+    fits, cut = traces
+    assert fits.tokens.tolist() == [1, 2, 3, 4, 5] and fits.trained.tolist() == [2, 3] and fits.adv == 1.0
+    np.testing.assert_allclose(fits.behav_logp, [-0.5, -0.25])
+    assert cut.tokens.tolist() == [1, 2, 3, 4, 5]  # prompt kept whole, response cut at its end
+    assert cut.trained.tolist() == [2]  # predicts token 4 (mask 1); token 5 has mask 0
+    assert np.isnan(cut.behav_logp).all()  # not captured
+
+
+def test_plan_steps_is_a_seeded_partition():
+    plan = data.plan_steps(range(10), 4, seed=3)
+    assert [len(s) for s in plan] == [4, 4, 2]
+    assert sorted(sum(plan, [])) == list(range(10))
+    assert plan == data.plan_steps(range(10), 4, seed=3) != data.plan_steps(range(10), 4, seed=4)
+
+
+def test_pack_fills_bins_up_to_the_budget():
+    lengths = [5, 3, 8, 2, 2, 7, 1]
+    bins = data.pack(lengths, budget=8)
+    assert sorted(sum(bins, [])) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 8 for b in bins)
+    assert len(bins) == 4  # 28 tokens: 4 bins of 8 is the minimum
+    with pytest.raises(ValueError, match="over the budget"):
+        data.pack([9], budget=8)
+
+
+def test_balance_gives_every_rank_the_same_number_of_passes():
+    ranks = data.balance([8, 7, 5, 2, 1], world=2)
+    assert [len(r) for r in ranks] == [3, 3]
+    real = [[b for b in r if b is not None] for r in ranks]
+    assert sorted(sum(real, [])) == [0, 1, 2, 3, 4]
+    loads = [sum([8, 7, 5, 2, 1][b] for b in r) for r in real]
+    assert max(loads) - min(loads) <= 3
+    assert data.balance([4], world=3) == [[0], [None], [None]]
+
+
+def test_collate_packs_traces_into_one_row_with_restarting_positions():
+    a = data.Trace(session=0, tokens=np.array([1, 2, 3, 4]), n_prompt=2, trained=np.array([1, 2]),
+                   behav_logp=np.array([-1.0, np.nan], dtype=np.float32), adv=0.5)  # fmt: skip
+    b = data.Trace(session=3, tokens=np.array([5, 6, 7]), n_prompt=1, trained=np.array([1]),
+                   behav_logp=np.array([-2.0], dtype=np.float32), adv=-1.0)  # fmt: skip
+    mb = data.collate([a, b], [0.25, 0.125])
+    assert mb.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2]]
+    assert mb.sel.tolist() == [1, 2, 5]
+    assert mb.targets.tolist() == [3, 4, 7]
+    assert mb.adv.tolist() == [0.5, 0.5, -1.0]
+    assert mb.weight.tolist() == [0.25, 0.25, 0.125]
+    assert mb.session.tolist() == [0, 0, 3]
+    assert mb.behav_logp[1].isnan() and mb.behav_logp[[0, 2]].tolist() == [-1.0, -2.0]
+    pad = data.collate([], [])
+    assert pad.input_ids.shape == (1, 2) and len(pad.sel) == 0

@@ -1,0 +1,290 @@
+"""Trajectory Parquet in, packed micro-batches out: reading, checking and planning for train/grpo.py.
+
+``load`` reads only the trainer's columns (``reconstruct.schema.TRAINER_COLUMNS``) and refuses bad input with
+a ``DataError`` that names the file, the row and what to fix. ``plan_steps`` splits sessions into optimizer
+steps, ``pack`` fills micro-batches up to a token budget (several traces in one row, no padding; the model
+tells them apart by their restarting position ids), ``balance`` hands micro-batches to ranks so that every rank
+runs the same number of forward/backward passes, and ``collate`` builds the tensors of one micro-batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import torch
+
+from reconstruct import schema
+from train.losses import truncate
+
+__all__ = [
+    "DataError",
+    "MicroBatch",
+    "Rollout",
+    "Trace",
+    "balance",
+    "collate",
+    "load",
+    "make_traces",
+    "pack",
+    "plan_steps",
+]
+
+
+class DataError(ValueError):
+    """Input the trainer cannot use; the message says which file, row or session, and what to do."""
+
+
+@dataclasses.dataclass
+class Rollout:
+    """Every trace read, with its session. Index s: session (S of them), m: trace (M)."""
+
+    session_ids: list[str]  # (S,)
+    task_ids: list[str]  # (S,)
+    reward: np.ndarray  # (S,) float64: shared by all the session's traces
+    trace_session: np.ndarray  # (M,) int: session index of each trace
+    prompt: list[np.ndarray]  # M x (P_m,) int64
+    response: list[np.ndarray]  # M x (R_m,) int64
+    loss_mask: list[np.ndarray]  # M x (R_m,) bool: True on sampled tokens
+    logprobs: list[np.ndarray | None]  # M x (R_m,) float32 captured at sampling; None: not captured
+    dropped_sessions: dict[str, int]  # reason -> sessions left out (no reward, no task)
+
+
+@dataclasses.dataclass
+class Trace:
+    """One trainable trace after causal truncation: ``tokens = prompt ‖ response[:keep]``."""
+
+    session: int
+    tokens: np.ndarray  # (L,) int64
+    n_prompt: int
+    trained: np.ndarray  # (n,) positions in tokens[1:] whose token is sampled, i.e. predicted from position p
+    behav_logp: np.ndarray  # (n,) float32 captured log-probs of those tokens; NaN when not captured
+    adv: float
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """Packed traces of one forward pass. T tokens in one row; N of them trained."""
+
+    input_ids: torch.Tensor  # (1, T)
+    position_ids: torch.Tensor  # (1, T): restart at 0 at each trace
+    sel: torch.Tensor  # (N,) positions whose *next* token is trained
+    targets: torch.Tensor  # (N,) those next tokens
+    adv: torch.Tensor  # (N,) advantage of the token's session
+    weight: torch.Tensor  # (N,) the token's weight in the step's loss (sums to the loss normaliser)
+    behav_logp: torch.Tensor  # (N,) captured log-probs; NaN where not captured
+    session: torch.Tensor  # (N,) session index, for metrics
+
+    def to(self, device: torch.device) -> MicroBatch:
+        return MicroBatch(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
+
+
+def _lists(df: pl.DataFrame, column: str, dtype: type) -> list[np.ndarray]:
+    """Split a list column into one NumPy array per row without going through Python lists."""
+    lengths = df[column].list.len().fill_null(0).to_numpy()  # (rows,)
+    flat = df[column].explode().drop_nulls().to_numpy().astype(dtype)  # (sum lengths,)
+    return np.split(flat, np.cumsum(lengths)[:-1])
+
+
+def load(paths: Sequence[Path]) -> Rollout:
+    """Read and check trajectory files; sessions without a reward or a task id are dropped and counted."""
+    frames = []
+    for path in paths:
+        path = Path(path)
+        if not path.is_file():
+            raise DataError(f"{path}: no such trajectory file")
+        present = set(pl.read_parquet_schema(path))
+        missing = [c for c in schema.TRAINER_COLUMNS if c not in present]
+        if missing:
+            raise DataError(f"{path}: missing columns {missing}; the trainer needs {list(schema.TRAINER_COLUMNS)}")
+        try:
+            df = schema.read(path, schema.TRAINER_COLUMNS)
+        except schema.SchemaError as e:
+            raise DataError(str(e)) from e
+        frames.append(df.with_columns(pl.lit(str(path)).alias("_file"), pl.int_range(pl.len()).alias("_row")))
+    df = pl.concat(frames)
+    if df.is_empty():
+        raise DataError(f"{', '.join(map(str, paths))}: no trajectories")
+    if df["reward"].null_count() == len(df):
+        raise DataError("no rewards joined: every trace has a null reward; join the graded results first (eval)")
+    bad_reward = df.filter(pl.col("reward").is_not_null() & ~pl.col("reward").is_finite())
+    if not bad_reward.is_empty():
+        row = bad_reward.row(0, named=True)
+        raise DataError(f"{row['_file']} row {row['_row']} (session {row['session_id']!r}): reward {row['reward']}")
+    if df["task_id"].null_count() == len(df):
+        raise DataError("no task ids: every trace has a null task_id, so sessions cannot be grouped by task")
+    _check_rows(df)
+
+    dropped = {
+        "no_reward": df.filter(pl.col("reward").is_null())["session_id"].n_unique(),
+        "no_task": df.filter(pl.col("task_id").is_null() & pl.col("reward").is_not_null())["session_id"].n_unique(),
+    }
+    df = df.filter(pl.col("reward").is_not_null() & pl.col("task_id").is_not_null())
+    sessions = (
+        df.group_by("session_id", maintain_order=True)
+        .agg(pl.col("task_id").n_unique().alias("n_task"), pl.col("reward").n_unique().alias("n_reward"),
+             pl.col("task_id").first(), pl.col("reward").first())
+    )  # fmt: skip
+    bad = sessions.filter((pl.col("n_task") > 1) | (pl.col("n_reward") > 1))
+    if not bad.is_empty():
+        raise DataError(
+            f"session {bad['session_id'][0]!r}: its traces disagree on task_id or reward; "
+            "a session has one task and one reward shared by all its traces"
+        )
+    index = {sid: s for s, sid in enumerate(sessions["session_id"].to_list())}
+    logprobs = _lists(df, "logprobs", np.float32)
+    has_lp = df["logprobs"].is_not_null().to_numpy()
+    return Rollout(
+        session_ids=sessions["session_id"].to_list(),
+        task_ids=sessions["task_id"].to_list(),
+        reward=sessions["reward"].to_numpy().astype(np.float64),
+        trace_session=np.array([index[s] for s in df["session_id"].to_list()], dtype=np.int64),
+        prompt=_lists(df, "prompt_ids", np.int64),
+        response=_lists(df, "response_ids", np.int64),
+        loss_mask=[m.astype(bool) for m in _lists(df, "loss_mask", np.int8)],
+        logprobs=[lp if h else None for lp, h in zip(logprobs, has_lp, strict=True)],
+        dropped_sessions=dropped,
+    )
+
+
+def _check_rows(df: pl.DataFrame) -> None:
+    """Lengths that disagree, empty prompts, masks that are not 0/1, unusable captured log-probs."""
+    checks = df.select(
+        "_file", "_row", "session_id",
+        pl.col("prompt_ids").list.len().fill_null(0).alias("n_prompt"),
+        pl.col("response_ids").list.len().fill_null(0).alias("n_response"),
+        pl.col("loss_mask").list.len().fill_null(0).alias("n_mask"),
+        pl.col("logprobs").list.len().alias("n_logprobs"),
+        ((pl.col("loss_mask").list.min() < 0) | (pl.col("loss_mask").list.max() > 1)).fill_null(False)
+        .alias("bad_mask"),
+        pl.col("logprobs").list.eval(pl.element().is_finite().not_() | (pl.element() > 1e-3)).list.any()
+        .fill_null(False).alias("bad_logprobs"),
+        ((pl.col("prompt_ids").list.min() < 0) | (pl.col("response_ids").list.min() < 0)).fill_null(False)
+        .alias("negative_id"),
+        pl.any_horizontal(
+            pl.col(c).list.eval(pl.element().is_null()).list.any().fill_null(False)
+            for c in ("prompt_ids", "response_ids", "loss_mask", "logprobs")
+        ).alias("null_inside"),
+    )  # fmt: skip
+    problems = [
+        (pl.col("n_prompt") == 0, "empty prompt_ids (the first response token needs a context)"),
+        (pl.col("n_response") != pl.col("n_mask"), "response_ids and loss_mask lengths differ"),
+        (pl.col("n_logprobs").is_not_null() & (pl.col("n_logprobs") != pl.col("n_response")),
+         "response_ids and logprobs lengths differ"),
+        (pl.col("bad_mask"), "loss_mask holds values other than 0 and 1"),
+        (pl.col("bad_logprobs"), "logprobs holds NaN, inf or positive values"),
+        (pl.col("negative_id"), "negative token ids"),
+        (pl.col("null_inside"), "a null inside a token list"),
+    ]  # fmt: skip
+    for condition, what in problems:
+        hit = checks.filter(condition)
+        if not hit.is_empty():
+            row = hit.row(0, named=True)
+            raise DataError(
+                f"{row['_file']} row {row['_row']} (session {row['session_id']!r}): {what}; "
+                f"prompt {row['n_prompt']}, response {row['n_response']}, loss_mask {row['n_mask']}, "
+                f"logprobs {row['n_logprobs']} tokens ({len(hit)} such rows)"
+            )
+
+
+def make_traces(
+    rollout: Rollout, adv: np.ndarray, usable: np.ndarray, max_len: int
+) -> tuple[list[Trace], dict[str, int]]:
+    """The traces of usable sessions, cut to ``max_len`` tokens (``losses.truncate``), with counts of what was cut.
+
+    Counts: ``truncated`` (response end cut), ``prompt_too_long`` (skipped: no room for one response token),
+    ``nothing_trained`` (skipped: no sampled token left in the kept part), ``zero_std`` (traces of skipped groups).
+    """
+    traces: list[Trace] = []
+    counts = {"truncated": 0, "prompt_too_long": 0, "nothing_trained": 0, "zero_std": 0}
+    for m, s in enumerate(rollout.trace_session.tolist()):
+        if not usable[s]:
+            counts["zero_std"] += 1
+            continue
+        prompt, response, mask = rollout.prompt[m], rollout.response[m], rollout.loss_mask[m]
+        keep = truncate(len(prompt), len(response), max_len)
+        if keep is None:
+            counts["prompt_too_long"] += 1
+            continue
+        counts["truncated"] += keep < len(response)
+        j = np.flatnonzero(mask[:keep])  # (n,) response positions of sampled tokens
+        if len(j) == 0:
+            counts["nothing_trained"] += 1
+            continue
+        lp = rollout.logprobs[m]
+        traces.append(
+            Trace(
+                session=s,
+                tokens=np.concatenate([prompt, response[:keep]]),  # (L,)
+                n_prompt=len(prompt),
+                trained=len(prompt) - 1 + j,  # (n,) the token at p + 1 is predicted from position p
+                behav_logp=lp[j] if lp is not None else np.full(len(j), np.nan, dtype=np.float32),  # (n,)
+                adv=float(adv[s]),
+            )
+        )
+    return traces, counts
+
+
+def plan_steps(sessions: Sequence[int], sessions_per_step: int, seed: int) -> list[list[int]]:
+    """Shuffle the sessions (seeded) and cut them into optimizer steps of ``sessions_per_step`` (last may be short)."""
+    order = np.random.default_rng(seed).permutation(np.asarray(sessions, dtype=np.int64))
+    return [order[i : i + sessions_per_step].tolist() for i in range(0, len(order), sessions_per_step)]
+
+
+def pack(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """First-fit decreasing: indices of ``lengths`` grouped into bins of at most ``budget`` tokens each."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if lengths[i] > budget:
+            raise ValueError(f"item {i} has {lengths[i]} tokens, over the budget of {budget}")
+        j = next((j for j, r in enumerate(room) if r >= lengths[i]), None)
+        if j is None:
+            bins.append([])
+            room.append(budget)
+            j = len(bins) - 1
+        bins[j].append(i)
+        room[j] -= lengths[i]
+    return bins
+
+
+def balance(bin_tokens: Sequence[int], world: int) -> list[list[int | None]]:
+    """Bins dealt to ``world`` ranks, largest first to the least-loaded rank. Every rank gets the same count:
+    the short ones are padded with None (a pass that trains nothing), so collective calls line up across ranks."""
+    ranks: list[list[int | None]] = [[] for _ in range(world)]
+    load = [0] * world
+    for b in sorted(range(len(bin_tokens)), key=lambda b: (-bin_tokens[b], b)):
+        r = min(range(world), key=lambda r: (load[r], len(ranks[r]), r))
+        ranks[r].append(b)
+        load[r] += bin_tokens[b]
+    n = max(len(r) for r in ranks)
+    return [r + [None] * (n - len(r)) for r in ranks]
+
+
+def collate(traces: Sequence[Trace], weights: Sequence[float]) -> MicroBatch:
+    """Pack traces into one row; ``weights[i]`` is the per-token loss weight of ``traces[i]``.
+
+    No traces gives a 2-token pass with nothing to train (a padding pass of a rank with less work).
+    """
+    if not traces:
+        z = torch.zeros(0)
+        return MicroBatch(torch.zeros(1, 2, dtype=torch.long), torch.arange(2)[None], z.long(), z.long(), z, z, z,
+                          z.long())  # fmt: skip
+    offsets = np.cumsum([0] + [len(t.tokens) for t in traces])  # (k+1,)
+    tokens = np.concatenate([t.tokens for t in traces])  # (T,)
+    positions = np.concatenate([np.arange(len(t.tokens)) for t in traces])  # (T,)
+    sel = np.concatenate([t.trained + o for t, o in zip(traces, offsets, strict=False)])  # (N,)
+    n = [len(t.trained) for t in traces]
+    return MicroBatch(
+        input_ids=torch.from_numpy(tokens)[None],  # (1, T)
+        position_ids=torch.from_numpy(positions)[None],  # (1, T)
+        sel=torch.from_numpy(sel),  # (N,)
+        targets=torch.from_numpy(tokens[sel + 1]),  # (N,)
+        adv=torch.from_numpy(np.repeat([t.adv for t in traces], n)).float(),  # (N,)
+        weight=torch.from_numpy(np.repeat(np.asarray(weights, dtype=np.float64), n)).float(),  # (N,)
+        behav_logp=torch.from_numpy(np.concatenate([t.behav_logp for t in traces])).float(),  # (N,)
+        session=torch.from_numpy(np.repeat([t.session for t in traces], n)),  # (N,)
+    )

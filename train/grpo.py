@@ -1,0 +1,463 @@
+"""GRPO on a LoRA adapter from trajectory Parquet: read rewarded traces, update the adapter, write it, stop.
+
+    accelerate launch --config_file train/configs/cpu.yaml train/grpo.py \\
+        --trajectories runs/r1/trajectories.parquet --model models/tiny --output runs/r1/adapter
+    accelerate launch --config_file train/configs/ddp.yaml train/grpo.py --config run.yaml --output DIR
+
+``--output`` becomes a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) that
+``PeftModel.from_pretrained`` and vLLM (``--enable-lora``, ``POST /v1/load_lora_adapter``) load, with the
+config used (config.yaml, valid input for ``--config``) and one JSON line of metrics per step next to it.
+
+The objective, for an optimizer step over a set B of sessions (defaults: Polar's run, polar.md §4):
+1. Advantages. A group is every session of one task_id among the trajectories read. Session i gets
+   A_i = (r_i - mean_{j != i} r_j) / (std_g + 1e-6): leave-one-out baseline, one std per group
+   (``--no-scale-by-std`` drops the division, as Dr. GRPO). A group whose rewards are all equal is skipped
+   before any forward pass. Every sampled token (loss_mask 1) of the session's traces carries A_i.
+2. Policies. pi_theta: the model with the adapter being trained. pi_old: the same at the start of this run;
+   ratios are taken against it. pi_b: the engine that sampled (captured logprobs; a trace without them has
+   pi_b = pi_old). pi_ref: the base model, i.e. the adapter disabled (no second copy).
+3. Clipped surrogate per token: rho = pi_theta / pi_old,
+   l_t = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A), eps_low 0.2, eps_high 0.28.
+4. Truncated importance sampling: l_t <- min(pi_old / pi_b, tis_cap) * l_t, tis_cap 2 (None: off).
+5. KL to the base: l_t <- l_t + kl_coef * (e^d - d - 1), d = log pi_ref - log pi_theta (k3); kl_coef 0
+   by default, which skips the reference pass.
+6. Aggregation. A trace of a session cut into k traces weighs w = 1/k (the session counts once).
+   token_mean: L = sum_m w_m sum_t l_t / sum_m w_m n_m (n_m: trained tokens of trace m);
+   dr_grpo: L = sum_m w_m sum_t l_t / (|B| * dr_grpo_tokens).
+7. Lengths. A trace over max_len tokens is cut to a causal prefix (whole prompt, response end cut); one
+   whose prompt alone is too long is skipped. Nothing is trimmed on the left.
+Pure functions: train/losses.py (the maths above), train/logprobs.py (log-probs and the loss in vocabulary
+chunks: the (T, V) logits never exist), train/data.py (reading, checking, packing); plumbing: train/runtime.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import sys
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, set_seed
+
+from train import data, losses, runtime
+from train.data import DataError, MicroBatch, Trace
+from train.logprobs import TokenLoss, fused_token_loss, token_logprobs
+
+
+class ConfigError(ValueError):
+    """A setting, or a combination of settings, that cannot work; the message says what to change."""
+
+
+@dataclasses.dataclass
+class Config:
+    """GRPO on a LoRA adapter from trajectory Parquet (see the module docstring for the objective)."""
+
+    # ---- inputs and outputs
+    trajectories: tuple[Path, ...]
+    """Trajectory Parquet files (reconstruct/schema.py) with rewards joined."""
+    model: str
+    """Base model: a local transformers directory, or a hub name where the hub is reachable."""
+    output: Path
+    """Adapter directory to write (must be new or empty unless --resume): adapter, config.yaml, metrics.jsonl."""
+    config: Path | None = None
+    """YAML file of field values (a written config.yaml works); flags on the command line win over it."""
+    adapter: Path | None = None
+    """Start from this PEFT adapter directory (a previous round's --output) instead of a fresh LoRA."""
+    resume: Path | None = None
+    """Continue an interrupted run from its checkpoint directory (OUTPUT/checkpoint) with the same settings."""
+    save_every: int = 10
+    """Write a resumable checkpoint to OUTPUT/checkpoint every this many optimizer steps (0: never)."""
+    seed: int = 0
+    """Seeds the LoRA initialisation, the order of sessions and dropout."""
+
+    # ---- schedule
+    sessions_per_step: int = 64
+    """Sessions per optimizer step (Polar: 4 tasks x 16 samples); micro-batches accumulate up to it."""
+    epochs: int = 1
+    """Passes over the trajectories."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (default: all epochs)."""
+
+    # ---- advantages and loss
+    scale_by_std: bool = True
+    """Divide leave-one-out advantages by the group's reward std (--no-scale-by-std: Dr. GRPO)."""
+    loss_agg: Literal["token_mean", "dr_grpo"] = "token_mean"
+    """token_mean: mean over trained tokens; dr_grpo: per-session token sums / dr_grpo_tokens, mean over sessions."""
+    dr_grpo_tokens: int | None = None
+    """The constant denominator of dr_grpo, in tokens (default: max_len)."""
+    eps_low: float = 0.2
+    """Lower clip of the ratio: 1 - eps_low."""
+    eps_high: float = 0.28
+    """Upper clip of the ratio: 1 + eps_high (clip-higher, DAPO)."""
+    tis_cap: float | None = 2.0
+    """Cap C of the truncated importance weight min(pi_old / pi_sampler, C) (None: no correction)."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL to the base model (adapter disabled); 0 skips the reference forward pass."""
+    temperature: float = 1.0
+    """Sampling temperature of the trajectories; logits are divided by it (capture processed log-probs then)."""
+
+    # ---- lengths and memory
+    max_len: int = 32768
+    """Tokens per trace (prompt + response); a longer trace loses its response end."""
+    micro_batch_tokens: int = 32768
+    """Tokens per forward pass: traces are packed into one row up to this budget, without padding."""
+    logprob_chunk: int = 512
+    """Positions projected to the vocabulary at once: (chunk, vocab) logits are the most that ever exist."""
+    gradient_checkpointing: bool = True
+    """Recompute each decoder layer in the backward instead of keeping its activations."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Base weights' dtype; auto: bfloat16 when accelerate runs with mixed_precision bf16, else float32."""
+    attn_implementation: str | None = None
+    """transformers attention backend (flash_attention_2 on GPU avoids a (T, T) mask for packed rows)."""
+
+    # ---- LoRA
+    lora_r: int = 16
+    """LoRA rank (ignored with --adapter, which brings its own)."""
+    lora_alpha: int = 32
+    """LoRA scaling numerator: the update is scaled by alpha / r."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA input (0 keeps the first step's pre-update log-probs free: no extra pass)."""
+    lora_targets: tuple[str, ...] = ("all-linear",)
+    """Modules to adapt; all-linear: every linear layer of attention and MLP (not the output layer)."""
+
+    # ---- optimizer
+    lr: float = 1e-5
+    """AdamW learning rate (Polar's 1e-6 is for full weights; LoRA updates need more)."""
+    warmup_steps: int = 0
+    """Linear warm-up steps, then constant."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (Polar: 0.1)."""
+    adam_betas: tuple[float, float] = (0.9, 0.98)
+    """AdamW betas (Polar: 0.9, 0.98)."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this (None: no clipping; the norm is logged either way)."""
+    max_bad_steps: int = 3
+    """Stop after this many consecutive steps with a non-finite loss or gradient (each one is skipped)."""
+
+    def __post_init__(self) -> None:
+        positive = ("save_every", "sessions_per_step", "epochs", "max_len", "micro_batch_tokens", "logprob_chunk",
+                    "lora_r", "lora_alpha", "max_bad_steps")  # fmt: skip
+        for name in positive:
+            if getattr(self, name) < (0 if name == "save_every" else 1):
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= {0 if name == 'save_every' else 1}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError("--max-steps must be >= 1 (or None: all epochs)")
+        if self.max_len > self.micro_batch_tokens:
+            raise ConfigError(f"--max-len {self.max_len} must fit --micro-batch-tokens {self.micro_batch_tokens}")
+        if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
+            raise ConfigError("--eps-low must be in [0, 1) and --eps-high >= 0")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ConfigError("--tis-cap must be > 0, or None to turn importance sampling off")
+        if self.kl_coef < 0 or self.temperature <= 0 or self.lr <= 0 or not 0 <= self.lora_dropout < 1:
+            raise ConfigError("--kl-coef must be >= 0, --temperature and --lr > 0, --lora-dropout in [0, 1)")
+        if self.dr_grpo_tokens is not None and self.dr_grpo_tokens < 1:
+            raise ConfigError("--dr-grpo-tokens must be >= 1")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ConfigError("--grad-clip must be > 0, or None")
+
+
+# ---- the model: a PEFT model behind one forward that returns per-token log-probs
+
+
+class Policy(torch.nn.Module):
+    """Decoder + LoRA, returning log-probs of the selected positions' next tokens, never the (T, V) logits.
+
+    Given ``token_loss`` it also returns the loss, computed with the log-probs chunk by chunk (logprobs.py).
+    Everything the loss uses runs inside this forward, so DDP, FSDP and DeepSpeed wrap and sync exactly it.
+    """
+
+    def __init__(self, peft_model: Any, cfg: Config) -> None:
+        super().__init__()
+        self.peft = peft_model
+        self.chunk, self.temperature = cfg.logprob_chunk, cfg.temperature
+        # FSDP wraps the layers the model says must not be split (its decoder layers).
+        self._no_split_modules = list(getattr(peft_model.get_base_model(), "_no_split_modules", None) or [])
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, sel: torch.Tensor, targets: torch.Tensor,
+                reference: bool = False, with_entropy: bool = False, token_loss: TokenLoss | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """``(logp, entropy, loss)`` of the ``sel`` positions' next tokens; loss only with ``token_loss``."""
+        base = self.peft.get_base_model()
+        lm_head = base.get_output_embeddings()
+        head = lm_head
+        if cap := getattr(base.config, "final_logit_softcapping", None):  # Gemma-style logit soft-capping
+            head = functools.partial(_softcapped, lm_head, cap)
+        opts = {"chunk": self.chunk, "temperature": self.temperature, "with_entropy": with_entropy}
+        with self.peft.disable_adapter() if reference else contextlib.nullcontext():
+            out = base.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+            hidden = out.last_hidden_state[0, sel]  # (N, H)
+            if token_loss is None:
+                return *token_logprobs(hidden, targets, head, **opts), None
+            if not any(p.requires_grad for p in lm_head.parameters()):  # LoRA: the output layer is frozen
+                loss, logp, entropy = fused_token_loss(hidden, targets, head, token_loss, **opts)
+                return logp, entropy, loss
+            logp, entropy = token_logprobs(hidden, targets, head, **opts)  # a trained output layer: checkpointing
+            return logp.detach(), entropy, token_loss(logp, slice(None)).sum()
+
+
+def _softcapped(head: torch.nn.Module, cap: float, hidden: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(head(hidden) / cap) * cap
+
+
+def load_policy(cfg: Config, mixed_precision: str) -> Policy:
+    """The base model (bf16 under bf16 mixed precision) with a fresh LoRA, or with --adapter made trainable."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and mixed_precision == "bf16")
+    base = AutoModelForCausalLM.from_pretrained(
+        cfg.model, dtype=torch.bfloat16 if bf16 else torch.float32, attn_implementation=cfg.attn_implementation
+    )
+    base.config.use_cache = False
+    if cfg.gradient_checkpointing:
+        base.activation_checkpointing_enable({"use_reentrant": False})
+    with warnings.catch_warnings():
+        # peft reads `is_gradient_checkpointing`, which transformers 5 deprecates with a FutureWarning.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        if cfg.adapter is not None:
+            peft_model = PeftModel.from_pretrained(base, str(cfg.adapter), is_trainable=True)
+        else:
+            targets = list(cfg.lora_targets)
+            if targets == ["all-linear"]:  # resolved here to leaf names (q_proj, ...), the form vLLM expects
+                head = base.get_output_embeddings()
+                targets = sorted({n.rsplit(".", 1)[-1] for n, m in base.get_decoder().named_modules()
+                                  if isinstance(m, torch.nn.Linear) and m is not head})  # fmt: skip
+            lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                              target_modules=targets, task_type="CAUSAL_LM")  # fmt: skip
+            peft_model = get_peft_model(base, lora)
+    return Policy(peft_model, cfg)
+
+
+# ---- one micro-batch: forward, loss, backward (the bench times exactly this)
+
+
+def accumulate(accelerator: Accelerator, policy: torch.nn.Module, mb: MicroBatch, old_logp: torch.Tensor | None,
+               cfg: Config, importance: Any, stats: runtime.StepStats) -> float:  # fmt: skip
+    """Add one micro-batch's share of the step's loss gradient to ``.grad``; returns its loss contribution."""
+    args = (mb.input_ids, mb.position_ids, mb.sel, mb.targets)
+    ref_logp = None
+    if cfg.kl_coef > 0:
+        with torch.no_grad():
+            ref_logp = policy(*args, reference=True)[0]  # (N,) adapter disabled: the base model
+    options = {"importance": importance, "eps_low": cfg.eps_low, "eps_high": cfg.eps_high, "kl_coef": cfg.kl_coef}
+
+    def token_loss(logp: torch.Tensor, sl: slice) -> torch.Tensor:  # (c,) terms of tokens sl
+        old = logp.detach() if old_logp is None else old_logp[sl]  # nothing updated yet: pi_old = pi_theta
+        ref = ref_logp[sl] if ref_logp is not None else None
+        return losses.grpo_token_loss(logp, old, ref, mb.behav_logp[sl], mb.adv[sl], mb.weight[sl], **options)[0]
+
+    logp, entropy, loss = policy(*args, with_entropy=True, token_loss=token_loss)  # (N,), (N,), ()
+    # The weights are global (they sum over every rank's tokens), while DDP/FSDP/DeepSpeed average gradients
+    # over ranks: scale back up so the step's gradient is that of the whole batch.
+    accelerator.backward(loss * accelerator.num_processes)
+    old = logp if old_logp is None else old_logp
+    _, parts = losses.grpo_token_loss(logp, old, ref_logp, mb.behav_logp, mb.adv, mb.weight, **options)  # metrics
+    stats.add_tokens(mb, logp, old, entropy, parts, cfg)
+    return float(loss.detach())
+
+
+# ---- planning: which traces form each micro-batch of each step, on this rank
+
+
+def rank_micro_batches(step_traces: list[Trace], cfg: Config, aggregate: losses.Aggregation, rank: int,
+                       world: int) -> list[MicroBatch]:  # fmt: skip
+    """This rank's micro-batches of one optimizer step (same count on every rank); ``aggregate`` gives the weights."""
+    sessions = np.array([t.session for t in step_traces])  # (M,)
+    n_trained = np.array([len(t.trained) for t in step_traces])  # (M,)
+    weight = aggregate(sessions, n_trained, cfg.dr_grpo_tokens or cfg.max_len)  # (M,) per-token weight of each trace
+    bins = data.pack([len(t.tokens) for t in step_traces], cfg.micro_batch_tokens)
+    dealt = data.balance([sum(len(step_traces[i].tokens) for i in b) for b in bins], world)[rank]
+    return [data.collate([step_traces[i] for i in bins[b]], weight[bins[b]]) if b is not None
+            else data.collate([], []) for b in dealt]  # fmt: skip
+
+
+# ---- the run
+
+
+def main(cfg: Config) -> None:
+    accelerator = Accelerator(step_scheduler_with_optimizer=False)
+    print0, device = accelerator.print, accelerator.device
+    rank, world = accelerator.process_index, accelerator.num_processes
+    set_seed(cfg.seed)
+    if cfg.resume is None and cfg.output.exists() and any(cfg.output.iterdir()):
+        raise ConfigError(f"{cfg.output} exists and is not empty; pick a new --output, or --resume its checkpoint")
+    if cfg.resume is not None and not (cfg.resume / "trainer_state.json").is_file():
+        raise ConfigError(f"{cfg.resume} is not a checkpoint of grpo.py (no trainer_state.json)")
+    print0("\n".join(f"{k:>22} | {v}" for k, v in dataclasses.asdict(cfg).items()))
+
+    # 1. Trajectories -> advantages per session -> trainable traces (usable groups, causal truncation)
+    rollout = data.load(cfg.trajectories)
+    group = np.unique(np.array(rollout.task_ids), return_inverse=True)[1]  # (S,)
+    adv, usable = losses.group_advantages(rollout.reward, group, scale_by_std=cfg.scale_by_std)  # (S,), (S,)
+    n_groups, n_usable = len(np.unique(group)), len(np.unique(group[usable]))
+    if n_usable == 0:
+        raise DataError(f"no usable group: all {n_groups} groups have equal rewards (or one session); nothing to learn")
+    traces, cut = data.make_traces(rollout, adv, usable, cfg.max_len)
+    if not traces:
+        raise DataError(f"no trainable trace in the usable groups: {cut}")
+
+    # 2. Model: base + LoRA, wrapped so that one forward gives log-probs
+    policy = load_policy(cfg, accelerator.mixed_precision)
+    vocab = policy.peft.get_base_model().get_input_embeddings().num_embeddings
+    if (top := max(int(t.tokens.max()) for t in traces)) >= vocab:
+        raise DataError(f"token id {top} is outside the model's vocabulary ({vocab}): wrong --model for this data?")
+
+    # 3. Plan: sessions -> optimizer steps -> packed micro-batches per rank; optimizer, schedule
+    by_session: dict[int, list[Trace]] = defaultdict(list)
+    for t in traces:
+        by_session[t.session].append(t)
+    plan = data.plan_steps(sorted(by_session), cfg.sessions_per_step, cfg.seed)
+    order = [list(range(len(plan)))] + [
+        np.random.default_rng([cfg.seed, e]).permutation(len(plan)).tolist() for e in range(1, cfg.epochs)
+    ]
+    schedule = [p for epoch in order for p in epoch][: cfg.max_steps]  # plan index of each optimizer step
+    fingerprint = hashlib.sha256(json.dumps([[rollout.session_ids[s] for s in step] for step in plan] + [world])
+                                 .encode()).hexdigest()[:16]  # fmt: skip
+
+    aggregate = losses.AGGREGATIONS[cfg.loss_agg]  # the loss variants, picked once
+    importance = (functools.partial(losses.truncated_importance, cap=cfg.tis_cap) if cfg.tis_cap is not None
+                  else losses.no_importance)  # fmt: skip
+
+    def micro_batches(p: int) -> list[MicroBatch]:
+        return rank_micro_batches([t for s in plan[p] for t in by_session[s]], cfg, aggregate, rank, world)
+
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (cfg.warmup_steps + 1)))
+    if accelerator.state.deepspeed_plugin is not None:  # no dataloader for DeepSpeed to read a batch size from
+        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+    progress = runtime.Progress(plan=fingerprint)
+    accelerator.register_for_checkpointing(scheduler, progress)  # the scheduler steps once per optimizer step
+    accelerator.register_save_state_pre_hook(runtime.keep_trainable_weights)
+    if cfg.resume is not None:
+        progress.step = json.loads((cfg.resume / "trainer_state.json").read_text())["step"]
+
+    # 4. pi_old: log-probs of the policy as it starts, for every step that runs after an update. The first
+    #    step needs no extra pass: nothing has been updated yet, so its own forward is pi_old (detached).
+    fresh = progress.step == 0 and cfg.epochs == 1 and cfg.lora_dropout == 0
+    need_old = sorted(set(schedule[progress.step :]) - ({schedule[0]} if fresh else set()))
+    old: dict[tuple[int, int], torch.Tensor] = {}
+    t0 = time.perf_counter()
+    policy.eval()
+    with torch.no_grad():
+        for p in need_old:
+            for j, mb in enumerate(micro_batches(p)):
+                mb = mb.to(device)
+                old[p, j] = policy(mb.input_ids, mb.position_ids, mb.sel, mb.targets)[0].cpu()  # (N,)
+    policy.train()
+    if need_old:
+        print0(f"pi_old log-probs for {len(need_old)} steps in {time.perf_counter() - t0:.1f} s")
+
+    # 5. Resume: adapter weights, optimizer, scheduler, RNG and the step counter
+    if cfg.resume is not None:
+        accelerator.load_state(str(cfg.resume), strict=False)  # the checkpoint holds only the adapter's weights
+        if progress.plan != fingerprint:
+            raise ConfigError(f"{cfg.resume}: saved with other trajectories, seed, --sessions-per-step or process "
+                              "count; resume with the same settings")  # fmt: skip
+        print0(f"resumed from {cfg.resume} after step {progress.step}")
+    if accelerator.is_main_process:
+        cfg.output.mkdir(parents=True, exist_ok=True)
+        (cfg.output / "config.yaml").write_text(runtime.config_yaml(cfg))
+    log: runtime.MetricsLog | runtime.NoLog = (runtime.MetricsLog(cfg.output, progress.step if cfg.resume else None)
+                               if accelerator.is_main_process else runtime.NoLog())  # fmt: skip
+    if progress.step == 0:
+        n_traces = len(rollout.trace_session)
+        log.log({"step": 0, "data/sessions": len(rollout.session_ids), "data/traces": n_traces,
+                 "data/groups": n_groups, "reward/zero_std_frac": 1 - n_usable / n_groups,
+                 "completions/truncated_frac": cut["truncated"] / n_traces,
+                 **{f"data/dropped_sessions_{k}": v for k, v in rollout.dropped_sessions.items()},
+                 **{f"data/skipped_traces_{k}": v for k, v in cut.items() if k != "truncated"}})  # fmt: skip
+    print0(f"{len(rollout.session_ids)} sessions in {n_groups} groups ({n_groups - n_usable} skipped: equal "
+           f"rewards), {len(traces)} traces to train ({cut}); {len(schedule)} steps of <= {cfg.sessions_per_step} "
+           f"sessions on {world} process(es)")  # fmt: skip
+
+    # 6. Steps: accumulate micro-batches, clip, update, log, checkpoint
+    for k in range(progress.step, len(schedule)):
+        p, t0, stats, loss = schedule[k], time.perf_counter(), runtime.StepStats(), 0.0
+        mbs = micro_batches(p)
+        for j, mb in enumerate(mbs):
+            last = j == len(mbs) - 1
+            accelerator.sync_gradients = last  # DeepSpeed steps its engine at the boundary only
+            with contextlib.nullcontext() if last else accelerator.no_sync(policy):  # one all-reduce per step
+                loss += accumulate(accelerator, policy, mb.to(device), old.get((p, j)), cfg, importance, stats)
+        grad_norm = accelerator.clip_grad_norm_(trainable, cfg.grad_clip or math.inf)
+        grad_norm = float(grad_norm) if grad_norm is not None else math.nan
+        loss = float(accelerator.reduce(torch.tensor(loss, device=device, dtype=torch.float64), "sum"))
+        # DeepSpeed reports no norm here (its engine has already stepped): then only the loss is checked.
+        deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+        if math.isfinite(loss) and (math.isfinite(grad_norm) or deepspeed):
+            optimizer.step()
+            scheduler.step()
+            progress.bad_steps = 0
+        else:
+            progress.bad_steps += 1
+        optimizer.zero_grad(set_to_none=True)
+        progress.step = k + 1
+
+        row = stats.finish(accelerator)
+        sessions = plan[p]
+        r = rollout.reward[sessions]  # (|B|,)
+        seconds = time.perf_counter() - t0
+        tokens = accelerator.reduce(torch.tensor(sum(mb.input_ids.shape[1] for mb in mbs if len(mb.sel)),
+                                                 device=device), "sum").item()  # fmt: skip
+        row = {"step": k + 1, "epoch": k // len(plan), "loss/total": loss, **row,
+               "optim/grad_norm": grad_norm, "optim/lr": scheduler.get_last_lr()[0],
+               "optim/skipped": int(progress.bad_steps > 0), "reward/mean": float(r.mean()),
+               "reward/std": float(r.std()), "reward/min": float(r.min()), "reward/max": float(r.max()),
+               "reward/adv_abs_mean": float(np.abs(adv[sessions]).mean()), "perf/step_s": seconds,
+               "perf/tokens": tokens, "perf/tokens_per_s": tokens / seconds}  # fmt: skip
+        log.log(row)
+        print0(f"step {k + 1}/{len(schedule)}  loss {loss:+.4f}  reward {r.mean():.3f}  "
+               f"clip {row['policy/clip_frac_low'] + row['policy/clip_frac_high']:.3f}  "
+               f"grad {grad_norm:.3g}  {row['perf/tokens_per_s']:.0f} tok/s")  # fmt: skip
+        if progress.bad_steps:
+            print0(f"step {k + 1} skipped: non-finite loss {loss} or gradient norm {grad_norm}")
+            if progress.bad_steps >= cfg.max_bad_steps:
+                raise FloatingPointError(f"{progress.bad_steps} consecutive steps with a non-finite loss or gradient")
+        if cfg.save_every and (k + 1) % cfg.save_every == 0 and k + 1 < len(schedule):
+            runtime.save_checkpoint(accelerator, policy, cfg, progress)
+
+    # 7. The adapter, loadable by PEFT and vLLM
+    runtime.save_adapter(accelerator, policy, cfg.output, cfg)
+    log.close()
+    print0(f"adapter written to {cfg.output}")
+    accelerator.end_training()
+
+
+# ---- command line
+
+
+def parse(argv: Sequence[str] | None = None) -> Config:
+    """tyro over Config; ``--config FILE.yaml`` supplies values first, so flags on the command line win."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if "--config" in argv[:-1]:
+        path = argv[argv.index("--config") + 1]
+    try:
+        fields = {f.name for f in dataclasses.fields(Config)}
+        prefix = runtime.yaml_args(Path(path), fields) if path not in (None, "None") else []
+    except (OSError, ValueError) as e:
+        raise ConfigError(str(e)) from e
+    return tyro.cli(Config, args=prefix + argv)
+
+
+if __name__ == "__main__":
+    try:
+        main(parse())
+    except (DataError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

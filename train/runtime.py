@@ -1,0 +1,205 @@
+"""The plumbing of train/grpo.py, kept out of the algorithm: step metrics, the metrics log, checkpoints,
+the adapter directory and the YAML form of the config.
+
+Only the main process writes; every function that gathers from several processes says so and is called by all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import yaml
+from accelerate import Accelerator
+
+from train.data import MicroBatch
+
+if TYPE_CHECKING:
+    from train.grpo import Config
+
+__all__ = [
+    "MetricsLog",
+    "NoLog",
+    "Progress",
+    "StepStats",
+    "config_yaml",
+    "keep_trainable_weights",
+    "save_adapter",
+    "save_checkpoint",
+    "yaml_args",
+]
+
+
+class StepStats:
+    """Sums, counts, minima and maxima of one step on this rank, kept on the device (no sync per micro-batch) and
+    reduced over ranks in ``finish``: sums and counts together, so means are global, not means of means."""
+
+    def __init__(self) -> None:
+        self.sum: dict[str, torch.Tensor] = {}
+        self.count: dict[str, int] = defaultdict(int)
+        self.lo: dict[str, torch.Tensor] = {}
+        self.hi: dict[str, torch.Tensor] = {}
+
+    def add(self, key: str, values: torch.Tensor, extremes: bool = False) -> None:
+        values = values.detach().double()
+        self.sum[key] = self.sum[key] + values.sum() if key in self.sum else values.sum()
+        self.count[key] += values.numel()
+        if extremes:
+            lo = values.min() if values.numel() else values.new_tensor(math.inf)
+            hi = values.max() if values.numel() else values.new_tensor(-math.inf)
+            self.lo[key] = torch.minimum(self.lo[key], lo) if key in self.lo else lo
+            self.hi[key] = torch.maximum(self.hi[key], hi) if key in self.hi else hi
+
+    def add_tokens(self, mb: MicroBatch, logp: torch.Tensor, old_logp: torch.Tensor, entropy: torch.Tensor,
+                   parts: dict[str, torch.Tensor], cfg: Config) -> None:  # fmt: skip
+        adv, ratio, captured = mb.adv, parts["ratio"].detach(), ~torch.isnan(mb.behav_logp)  # (N,) each
+        self.add("policy/entropy", entropy)
+        self.add("policy/approx_kl", (ratio - 1) - (logp - old_logp))  # k3 of pi_old vs pi_theta
+        self.add("policy/clip_frac_low", ((adv < 0) & (ratio < 1 - cfg.eps_low)).float())
+        self.add("policy/clip_frac_high", ((adv > 0) & (ratio > 1 + cfg.eps_high)).float())
+        self.add("policy/kl_ref", parts["kl"])
+        self.add("sampling/captured_frac", captured.float())
+        self.add("sampling/is_weight", parts["is_weight"][captured], extremes=True)
+        if cfg.tis_cap is not None:
+            self.add("sampling/is_truncated_frac", (parts["is_weight"][captured] >= cfg.tis_cap).float())
+        self.add("sampling/logp_diff", (old_logp - mb.behav_logp)[captured].abs(), extremes=True)
+        self.add("perf/trained_tokens", torch.ones(()) * len(mb.sel))
+
+    def finish(self, accelerator: Accelerator) -> dict[str, float]:
+        keys, dev = sorted(self.sum), accelerator.device
+        inf = torch.tensor(math.inf, dtype=torch.float64, device=dev)
+        totals = torch.stack([torch.stack([self.sum[k].to(dev), torch.tensor(float(self.count[k]), dtype=torch.float64,
+                              device=dev)]) for k in keys])  # fmt: skip  # (K, 2)
+        ext = torch.stack([torch.stack([-self.lo.get(k, inf).to(dev), self.hi.get(k, -inf).to(dev)]) for k in keys])
+        totals = accelerator.reduce(totals, "sum").cpu()  # (K, 2)
+        ext = accelerator.gather(ext[None]).cpu().amax(0)  # (K, 2): -min, max over ranks
+        out = {}
+        for i, k in enumerate(keys):
+            total, count = float(totals[i, 0]), float(totals[i, 1])
+            if k.startswith("perf/"):
+                out[k] = total
+            elif k in self.lo:
+                out[f"{k}_mean"] = total / count if count else math.nan
+                out[f"{k}_min"], out[f"{k}_max"] = -float(ext[i, 0]), float(ext[i, 1])
+            else:
+                out[k] = total / count if count else math.nan
+        return out
+
+
+@dataclasses.dataclass
+class Progress:
+    """The data position, saved with each checkpoint (accelerate's custom checkpoint object)."""
+
+    step: int = 0  # optimizer steps completed
+    bad_steps: int = 0  # consecutive non-finite steps
+    plan: str = ""  # fingerprint of the session order: a resume must see the same one
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.bad_steps, self.plan = state["step"], state["bad_steps"], state["plan"]
+
+
+class MetricsLog:
+    """metrics.jsonl (and TensorBoard when installed) under the output directory: main process only."""
+
+    def __init__(self, output: Path, keep_until: int | None) -> None:
+        self.path = output / "metrics.jsonl"
+        if keep_until is not None and self.path.exists():  # resuming: drop rows logged after the checkpoint
+            rows = [r for r in self.path.read_text().splitlines() if json.loads(r)["step"] <= keep_until]
+            self.path.write_text("".join(r + "\n" for r in rows))
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb: Any = SummaryWriter(str(output / "tensorboard"))
+        except ImportError:
+            self.tb = None
+
+    def log(self, row: dict[str, Any]) -> None:
+        # Standard JSON has no NaN or infinity: a mean over nothing, or a skipped step's loss, is written as null.
+        row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+        with self.path.open("a") as f:  # opened per row: an interrupted run leaves every row written, no handle
+            f.write(json.dumps(row, allow_nan=False) + "\n")
+        for k, v in row.items():
+            if self.tb is not None and isinstance(v, float | int) and k != "step":  # None is not float
+                self.tb.add_scalar(k, v, row["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+class NoLog:
+    """The stand-in on every other rank."""
+
+    def log(self, row: dict[str, Any]) -> None: ...
+    def close(self) -> None: ...
+
+
+def config_yaml(cfg: Config) -> str:
+    def plain(v: Any) -> Any:
+        return str(v) if isinstance(v, Path) else [plain(x) for x in v] if isinstance(v, tuple) else v
+
+    return yaml.safe_dump({k: plain(v) for k, v in dataclasses.asdict(cfg).items()}, sort_keys=False)
+
+
+def save_adapter(accelerator: Accelerator, policy: torch.nn.Module, directory: Path, cfg: Config) -> None:
+    """PEFT adapter directory + config.yaml. Every rank calls it (gathering FSDP/ZeRO-3 shards is collective)."""
+    state = accelerator.get_state_dict(policy)
+    if accelerator.is_main_process:
+        peft_model = accelerator.unwrap_model(policy).peft
+        peft_model.save_pretrained(str(directory), state_dict={k.removeprefix("peft."): v for k, v in state.items()})
+        (directory / "config.yaml").write_text(config_yaml(cfg))
+    accelerator.wait_for_everyone()
+
+
+def save_checkpoint(accelerator: Accelerator, policy: torch.nn.Module, cfg: Config, progress: Progress) -> None:
+    """OUTPUT/checkpoint: accelerate state (adapter weights, optimizer, scheduler, RNG, Progress) + the adapter.
+    Written beside and renamed into place, so an interruption never leaves half a checkpoint."""
+    tmp, final = cfg.output / ".checkpoint.tmp", cfg.output / "checkpoint"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    save_adapter(accelerator, policy, tmp, cfg)
+    if accelerator.is_main_process:
+        (tmp / "trainer_state.json").write_text(json.dumps(progress.state_dict()))  # read before load_state
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    accelerator.wait_for_everyone()
+
+
+def keep_trainable_weights(models: list[torch.nn.Module], weights: list[dict[str, Any]], _dir: str) -> None:
+    """accelerate save-state hook: keep only the adapter's weights, not a copy of the frozen base model."""
+    for model, state in zip(models, weights, strict=False):
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        for k in [k for k in state if k not in trainable]:
+            del state[k]
+
+
+def yaml_args(path: Path, fields: set[str]) -> list[str]:
+    """A YAML mapping of config fields (a written config.yaml works) as command-line flags, to put before the real
+    ones: later flags win. ``config`` itself is skipped."""
+    values = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(values, dict) or set(values) - fields:
+        unknown = sorted(set(values) - fields) if isinstance(values, dict) else values
+        raise ValueError(f"{path}: expected a mapping of config fields; unknown: {unknown}")
+    args: list[str] = []
+    for key, value in values.items():
+        flag = "--" + key.replace("_", "-")
+        if key == "config":
+            continue
+        if isinstance(value, bool):
+            args.append(flag if value else f"--no-{key.replace('_', '-')}")
+        elif isinstance(value, list | tuple):
+            args += [flag, *map(str, value)]
+        else:
+            args += [flag, str(value)]
+    return args
