@@ -1,7 +1,23 @@
-"""Reading capture records in tests: what the addon wrote, and the token ids the upstream sent."""
+"""Capture helpers for tests: a scripted proxy, the records the addon wrote, the token ids the upstream sent."""
 
+import contextlib
 import json
 import time
+
+from eval.services import Mitmdump, ReferenceServer
+
+
+@contextlib.contextmanager
+def scripted_proxy(model_dir, script, tmp, **addon_options):
+    """The reference server replaying ``script`` (per session) behind a real mitmdump + addon.
+
+    Yields the proxy; its ``captures`` attribute is the folder the records go to.
+    """
+    (tmp / "script.json").write_text(json.dumps(script))
+    with ReferenceServer(model_dir, script=tmp / "script.json", log=tmp / "server.log") as server:
+        with Mitmdump(server.url, tmp / "captures", log=tmp / "mitmdump.log", **addon_options) as mitm:
+            mitm.captures = tmp / "captures"
+            yield mitm
 
 
 def read_records(directory, *, session=None, expect=None, timeout=10.0):

@@ -5,15 +5,13 @@ accumulator included) must take the answers as Anthropic's, and the records must
 """
 
 import itertools
-import json
 import re
 
 import anthropic
 import pytest
 
 from addon import native
-from eval.services import Mitmdump, ReferenceServer
-from tests.captures import read_records, tokens_of
+from tests.captures import read_records, scripted_proxy, tokens_of
 
 pytestmark = pytest.mark.slow
 
@@ -44,12 +42,8 @@ FIRST_TURN = [{"role": "user", "content": [{"type": "text", "text": "Write hi in
 
 @pytest.fixture(scope="module")
 def proxy(tiny_model_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("anthropic_sdk")
-    (tmp / "script.json").write_text(json.dumps(SCRIPT))
-    with ReferenceServer(tiny_model_dir, script=tmp / "script.json", log=tmp / "server.log") as server:
-        with Mitmdump(server.url, tmp / "captures", log=tmp / "mitmdump.log", polar_model="tiny") as mitm:
-            mitm.captures = tmp / "captures"
-            yield mitm
+    with scripted_proxy(tiny_model_dir, SCRIPT, tmp_path_factory.mktemp("anthropic_sdk"), polar_model="tiny") as mitm:
+        yield mitm
 
 
 def client(proxy, session):

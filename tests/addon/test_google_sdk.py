@@ -4,15 +4,13 @@ The SDK speaks Gemini's generateContent (streamed with ``alt=sse``); the addon a
 server's Chat Completions, so the SDK's own parsers judge our events.
 """
 
-import json
 
 import pytest
 from google import genai
 from google.genai import errors, types
 from transformers import AutoTokenizer
 
-from eval.services import Mitmdump, ReferenceServer
-from tests.captures import read_records, tokens_of
+from tests.captures import read_records, scripted_proxy, tokens_of
 
 pytestmark = pytest.mark.slow
 
@@ -41,12 +39,8 @@ FIRST_TURN = [types.Content(role="user", parts=[types.Part(text="Write hi into o
 
 @pytest.fixture(scope="module")
 def proxy(tiny_model_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("google_sdk")
-    (tmp / "script.json").write_text(json.dumps(SCRIPT))
-    with ReferenceServer(tiny_model_dir, script=tmp / "script.json", log=tmp / "server.log") as server:
-        with Mitmdump(server.url, tmp / "captures", log=tmp / "mitmdump.log", polar_model="tiny") as mitm:
-            mitm.captures = tmp / "captures"
-            yield mitm
+    with scripted_proxy(tiny_model_dir, SCRIPT, tmp_path_factory.mktemp("google_sdk"), polar_model="tiny") as mitm:
+        yield mitm
 
 
 def client(proxy, session):

@@ -10,8 +10,7 @@ import openai
 import pytest
 
 from addon import native
-from eval.services import Mitmdump, ReferenceServer
-from tests.captures import read_records, tokens_of
+from tests.captures import read_records, scripted_proxy, tokens_of
 
 pytestmark = pytest.mark.slow
 
@@ -44,12 +43,8 @@ FIRST_INPUT = [{"role": "user", "content": [{"type": "input_text", "text": "Writ
 
 @pytest.fixture(scope="module")
 def proxy(tiny_model_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("responses-sdk")
-    (tmp / "script.json").write_text(json.dumps(SCRIPT))
-    with ReferenceServer(tiny_model_dir, script=tmp / "script.json", log=tmp / "server.log") as server:
-        with Mitmdump(server.url, tmp / "captures", log=tmp / "mitmdump.log", polar_model="tiny") as mitm:
-            mitm.captures = tmp / "captures"
-            yield mitm
+    with scripted_proxy(tiny_model_dir, SCRIPT, tmp_path_factory.mktemp("responses-sdk"), polar_model="tiny") as mitm:
+        yield mitm
 
 
 def client(proxy, session):

@@ -20,7 +20,7 @@ from typing import Any
 import openai
 import pytest
 
-from eval.services import ROOT, Mitmdump, Service, free_port  # noqa: F401 - ROOT: for test_cli
+from eval.services import Mitmdump, Service, free_port
 
 SCRIPT = [
     {

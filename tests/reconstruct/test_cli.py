@@ -7,7 +7,7 @@ import pytest
 
 from reconstruct import schema
 from reconstruct.__main__ import main
-from tests.reconstruct.conftest import ROOT
+from eval.services import ROOT
 
 
 def test_build_stats_audit(captures, tmp_path, capsys):

@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from reconstruct import RetokenizeError, Retokenizer, detect_eot, parse_eot
-from tests.reconstruct.conftest import S, oracle
+from tests.reconstruct.conftest import oracle
 
 
 @pytest.fixture(scope="module")
