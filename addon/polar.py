@@ -4,9 +4,11 @@
         -s addon/polar.py --set polar_dir=captures --set polar_upstream=vllm
 
 Point the harness's base URL at the proxy and set its API key to a session id. Each finished
-exchange becomes one JSON line under ``polar_dir`` (format: ``addon/record.py``). Responses stream
-through untouched: a tee keeps a copy of every chunk as it passes. Imports only the standard
-library and mitmproxy, so a standalone mitmproxy can load it.
+exchange becomes one JSON line under ``polar_dir`` (format: ``addon/record.py``). Chat Completions
+streams pass through untouched: a tee keeps a copy of every chunk as it passes. Anthropic,
+Responses and Google calls go upstream as Chat Completions and come back translated, chunk by
+chunk (``addon/translating.py``). Imports only the standard library and mitmproxy, so a
+standalone mitmproxy can load it.
 """
 
 from __future__ import annotations
