@@ -1,4 +1,4 @@
-"""Capture demo: a streamed, multi-turn, tool-calling chat through the proxy, and what it recorded.
+"""Capture demo: a streamed, multi-turn, tool-calling chat through the proxy, what it recorded, and its trajectory.
 
     python -m eval.demo [--model DIR] [--out runs/demo]      (what `make demo` runs)
 
@@ -6,7 +6,8 @@ Starts the reference server (the tiny offline model, answering from a script so 
 real tools) and `mitmdump` with the capture addon, both on loopback. The official `openai` SDK
 then plays a harness: it streams each turn, runs the tool calls in a scratch folder and sends
 the results back. At the end the demo reads the capture files and shows, per model call, the
-token ids and log-probs the upstream sampled, decoded back to text.
+token ids and log-probs the upstream sampled, decoded back to text; then `python -m reconstruct`
+merges the calls into a training trajectory and the demo shows its loss mask.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,11 +23,13 @@ from pathlib import Path
 import openai
 import tyro
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from transformers import AutoTokenizer
 
 from eval.models import build_tiny
 from eval.services import Mitmdump, ReferenceServer
+from reconstruct import schema
 
 console = Console()
 
@@ -154,6 +158,28 @@ def show_captures(captures: Path, model: Path) -> None:
     console.print(f"files: {', '.join(str(f) for f in files)} (format: addon/record.py)")
 
 
+def show_trajectories(captures: Path, model: Path, out: Path) -> None:
+    """Run the next phase as its own process, as the loop does, and show what training would see."""
+    cmd = [sys.executable, "-m", "reconstruct", str(captures), "-o", str(out), "--tokenizer", str(model), "--no-progress"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    for row in schema.read(out).iter_rows(named=True):
+        mask = row["loss_mask"]
+        console.print(
+            f"[bold]trace {row['trace_id']}[/]: {row['n_calls']} calls merged, {len(row['prompt_ids'])} prompt tokens, "
+            f"{sum(mask)} trainable (sampled) + {len(mask) - sum(mask)} masked (tool results, template) response tokens"
+        )
+        # Trainable spans in green, masked ones dim: exactly what GRPO will and will not train on.
+        spans, start = [], 0
+        for i in range(1, len(mask) + 1):
+            if i == len(mask) or mask[i] != mask[start]:
+                text = tokenizer.decode(row["response_ids"][start:i])
+                spans.append(f"[green]{escape(text)}[/]" if mask[start] else f"[dim]{escape(text)}[/]")
+                start = i
+        console.print("".join(spans))
+    console.print(f"trajectories: {out} (format: reconstruct/schema.py)")
+
+
 def main(config: Config) -> None:
     run = config.out / time.strftime("%Y%m%d-%H%M%S")
     run.mkdir(parents=True, exist_ok=True)
@@ -169,6 +195,7 @@ def main(config: Config) -> None:
             run_chat(proxy.url, Path(workspace))
     # Leaving the `with` stopped mitmdump cleanly: its writer has flushed every record.
     show_captures(run / "captures", model)
+    show_trajectories(run / "captures", model, run / "trajectories.parquet")
 
 
 if __name__ == "__main__":
