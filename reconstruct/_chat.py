@@ -27,7 +27,7 @@ from typing import Any
 from reconstruct._calls import Completion
 from reconstruct._json import dumps, loads
 from reconstruct._sse import SSEDecoder, SSEEvent
-from reconstruct._tokens import TokenText, cut_array
+from reconstruct._tokens import TokenText, cut_array, find_array
 
 __all__ = ["ChatAssembler"]
 
@@ -38,6 +38,7 @@ _IDS = re.compile(r'"token_ids":\s*\[(\s*[0-9][0-9,\s]*)\]')  # never an empty l
 _LOGPROB = re.compile(r'"logprob":\s*(-?[0-9][0-9.eE+-]*|-?Infinity|NaN)')
 _FINISH = re.compile(r'"finish_reason":\s*"([^"\\]*)"')
 _OTHER_INDEX = re.compile(r'"index":\s*[1-9]')  # a second choice, or a second tool call: the exact path
+_ODD = ("\r", "\nevent:", '"error":', '"sglext":')  # CR line ends, named events, errors, SGLang: the exact path
 
 
 class _Choice:
@@ -157,28 +158,34 @@ class ChatAssembler:
         return [choice.completion(index, self._prompt) for index, choice in sorted(self._choices.items())]
 
     def _fast(self, text: str) -> list[Completion] | None:
-        rest, array = cut_array(text, _PROMPT_KEY)  # the checks below then scan the stream, not the prompt
-        if "\r" in rest or "\nevent:" in rest or '"error":' in rest or '"sglext":' in rest or _OTHER_INDEX.search(rest):
+        span = find_array(text, _PROMPT_KEY)
+        if span is None:
             return None
-        end = rest.rfind('"usage"')
-        start = rest.rfind("\ndata: {", 0, end) + 7
-        if array is None or end < 0 or start < 7:
+        # The stream is scanned in place around the prompt array (the first chunk's start, then all after the
+        # array): no copy of a text this long, and no scan of the prompt.
+        cut, stop = span
+        head = text[:cut]
+        if any(m in head or text.find(m, stop) >= 0 for m in _ODD) or _OTHER_INDEX.search(head):
+            return None
+        end = text.rfind('"usage"')
+        start = text.rfind("\ndata: {", 0, end) + 7
+        if end < stop or start < 7 or _OTHER_INDEX.search(text, stop):
             return None
         try:
-            last = loads(rest[start : rest.index("\n", start)])
-            ids = loads("[" + ",".join(_IDS.findall(rest)) + "]")
-            logprobs = [float(m) for m in _LOGPROB.findall(rest)]
+            last = loads(text[start : text.index("\n", start)])
+            ids = loads("[" + ",".join(_IDS.findall(head) + _IDS.findall(text, stop)) + "]")
+            logprobs = list(map(float, _LOGPROB.findall(head) + _LOGPROB.findall(text, stop)))
         except ValueError:
             return None
         usage = last.get("usage") if isinstance(last, dict) else None
-        prompt = TokenText.from_json(array)
+        prompt = TokenText.from_json(text[cut:stop])
         if not (isinstance(usage, dict) and usage.get("completion_tokens") == len(ids) == len(logprobs) > 0):
             return None
         if usage.get("prompt_tokens") not in (None, prompt.n):
             return None
         self.usage, self.model, self.path = usage, last.get("model"), "fast"
-        finish = _FINISH.findall(rest)
-        return [Completion(0, prompt, ids, logprobs, finish[-1] if finish else None, lambda: _exact_message(rest))]
+        message = lambda: _exact_message(head + "null" + text[stop:])  # noqa: E731 - read only when asked for
+        return [Completion(0, prompt, ids, logprobs, _last_finish(text), message)]
 
     # ---- streamed
     def _events(self, events: list[SSEEvent]) -> None:
@@ -315,6 +322,17 @@ def _full_choice(raw: dict[str, Any]) -> _Choice:
     }
     choice.finish = raw.get("finish_reason")
     return choice
+
+
+def _last_finish(text: str) -> str | None:
+    """The last finish reason a stream sent (what the exact path keeps), searched from the end: a stream sends
+    it in its last chunks, and every chunk before them says ``null``."""
+    end = len(text)
+    while (i := text.rfind('"finish_reason":', 0, end)) >= 0:
+        if found := _FINISH.match(text, i):
+            return found[1]
+        end = i
+    return None
 
 
 def _exact_message(text: str) -> dict[str, Any]:

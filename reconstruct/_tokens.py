@@ -86,9 +86,19 @@ class TokenText:
 
 def cut_array(text: str, key: str) -> tuple[str, str | None]:
     """``text`` (a JSON document) with the first integer array under ``key`` replaced by ``null``, and that
-    array's text; ``(text, None)`` when there is none. The array is found without parsing: an unescaped
-    ``"key"`` followed by ``:`` and ``[`` can only be an object key (inside a JSON string the quotes would be
-    escaped), and an array of integers holds no ``]`` until its end."""
+    array's text; ``(text, None)`` when there is none."""
+    span = find_array(text, key)
+    if span is None:
+        return text, None
+    start, stop = span
+    return text[:start] + "null" + text[stop:], text[start:stop]
+
+
+def find_array(text: str, key: str) -> tuple[int, int] | None:
+    """Where the first integer array under ``key`` lies in ``text`` (a JSON document): ``text[start:stop]`` is
+    ``[...]``; None when there is none. Found without parsing: an unescaped ``"key"`` followed by ``:`` and
+    ``[`` can only be an object key (inside a JSON string the quotes would be escaped), and an array of
+    integers holds no ``]`` until its end."""
     needle = json.dumps(key)
     start = 0
     while (i := text.find(needle, start)) >= 0:
@@ -102,9 +112,9 @@ def cut_array(text: str, key: str) -> tuple[str, str | None]:
         while j < len(text) and text[j] in " \t\r\n":
             j += 1
         if j >= len(text) or text[j] != "[":
-            return text, None  # null or something else: nothing to lift out
+            return None  # null or something else: nothing to lift out
         end = text.find("]", j)
         if end < 0:
-            return text, None
-        return text[:j] + "null" + text[end + 1 :], text[j : end + 1]
-    return text, None
+            return None
+        return j, end + 1
+    return None

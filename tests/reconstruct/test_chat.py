@@ -47,6 +47,30 @@ def test_the_stream_fast_path_reads_exactly_what_the_exact_path_reads(captures):
         assert fast == exact and asm.usage == slow.usage and asm.model == slow.model
 
 
+def test_the_fast_path_reads_the_chunk_around_the_prompt_ids_and_the_last_finish_reason(captures):
+    # The fast path scans the text around the prompt array in place: a token in the chunk that carries the
+    # prompt ids (before and after the array) must count, as must a finish reason sent before the last chunk.
+    (r,) = captures.records(S.streamed)[:1]
+    body = r["response_body"]
+    key = body.index('"prompt_token_ids"')
+    second = body.index("\n\ndata: ", key) + 2
+    first_token = body[second : body.index("\n\n", second)]  # the second chunk: the first sampled token
+    merged = json.loads(first_token[6:])
+    chunk0 = json.loads(body[6 : body.index("\n\n")])
+    for before in (True, False):
+        rest = {k: v for k, v in chunk0.items() if k != "choices"}
+        merged_chunk = {"choices": merged["choices"], **rest} if before else {**rest, "choices": merged["choices"]}
+        after = body[body.index("\n\n") : second] + body[second + len(first_token) + 2 :]  # the second chunk left out
+        text = "data: " + json.dumps(merged_chunk) + after
+        (fast,), asm = assemble(text, streamed=True)
+        (exact,), slow = assemble(text, streamed=True, fast=False)
+        assert asm.path == "fast" and fast == exact and fast.finish_reason == exact.finish_reason
+    early = body.replace('"finish_reason": null', '"finish_reason": "early"', 1)
+    (fast,), asm = assemble(early, streamed=True)
+    (exact,), _ = assemble(early, streamed=True, fast=False)
+    assert asm.path == "fast" and fast.finish_reason == exact.finish_reason
+
+
 def test_the_fast_path_steps_aside_when_it_cannot_be_sure(captures):
     (r,) = captures.records(S.streamed)[:1]
     body = r["response_body"]

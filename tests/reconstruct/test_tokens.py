@@ -5,6 +5,7 @@ import json
 import pytest
 
 from reconstruct import TokenText, cut_array
+from reconstruct._tokens import find_array
 
 
 def test_prefix_is_by_token_not_by_character():
@@ -45,3 +46,11 @@ def test_cut_array_lifts_the_key_and_ignores_the_key_inside_strings():
     assert cut_array('{"prompt_token_ids": null}', "prompt_token_ids") == ('{"prompt_token_ids": null}', None)
     assert cut_array('{"a": 1}', "prompt_token_ids") == ('{"a": 1}', None)
     assert cut_array('{"prompt_token_ids": [1, 2', "prompt_token_ids") == ('{"prompt_token_ids": [1, 2', None)
+
+
+def test_find_array_gives_the_span_cut_array_lifts():
+    text = '{"a": "x", "prompt_token_ids": [1, 2, 3], "b": 1}'
+    start, stop = find_array(text, "prompt_token_ids")
+    assert text[start:stop] == "[1, 2, 3]"
+    assert cut_array(text, "prompt_token_ids") == (text[:start] + "null" + text[stop:], "[1, 2, 3]")
+    assert find_array('{"prompt_token_ids": null}', "prompt_token_ids") is None
