@@ -1,0 +1,125 @@
+"""A run folder's tables: the one source of truth for their columns, written and read here only.
+
+    RUN_DIR/
+      tasks.jsonl          the instances rolled out (SWE-bench 5.x shape), so ``score`` can run alone
+      sessions.parquet     one row per task x sample: what the harness did and the patch it left
+      rewards.parquet      one row per graded session: reward and why
+      logs/<session_id>/   harness stdout/stderr, eval script output, swebench report
+
+``sessions.parquet`` is written by ``python -m eval rollout`` and ``rewards.parquet`` by ``python -m eval score``;
+``python -m reconstruct --sessions RUN_DIR/sessions.parquet`` maps sessions to tasks in the trajectories, and
+``python -m eval join`` fills their rewards. Format version 1 of both, stored in the Parquet key-value metadata
+under ``polar.run.version``. Writes are atomic (temporary file, then rename).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import polars as pl
+
+FORMAT_VERSION = 1
+VERSION_KEY = "polar.run.version"
+
+TASKS = "tasks.jsonl"
+SESSIONS = "sessions.parquet"
+REWARDS = "rewards.parquet"
+LOGS = "logs"
+
+SESSION_STATUSES = ("ok", "no_edit", "crashed", "timeout", "setup_failed")
+
+SESSIONS_SCHEMA = pl.Schema(
+    {
+        "session_id": pl.String,  # the API key the harness sent; the capture records carry it
+        "task_id": pl.String,  # the instance_id
+        "sample_id": pl.Int32,  # 0 .. samples-1 per task
+        "harness": pl.String,  # preset name: codex | claude-code | pi | qwen-code | gemini | mini | shell
+        "model": pl.String,  # model name the harness was told to use
+        "status": pl.String,  # one of SESSION_STATUSES
+        "exit_code": pl.Int32,  # null when killed at the timeout or never started
+        "started_at": pl.String,  # UTC, ISO 8601
+        "duration_s": pl.Float64,  # harness wall time
+        "patch": pl.String,  # `git diff --cached --binary` of the workspace, harness folders dropped; "" if none
+        "error": pl.String,  # why a session is not "ok" (last lines of stderr, setup failure); null when ok
+    }
+)
+
+REWARD_REASONS = ("graded", "empty_patch", "patch_failed", "tests_timed_out", "eval_error", "session_failed")
+
+REWARDS_SCHEMA = pl.Schema(
+    {
+        "session_id": pl.String,  # joins sessions.parquet (for --predictions/--gold: "<model>/<instance_id>")
+        "task_id": pl.String,
+        "sample_id": pl.Int32,
+        "harness": pl.String,  # null when graded from a predictions file
+        "reward": pl.Float64,  # 1.0 resolved, 0.0 otherwise
+        "resolved": pl.Boolean,
+        "reason": pl.String,  # one of REWARD_REASONS
+        "report": pl.String,  # swebench's report for the instance as JSON text; null when not graded
+    }
+)
+
+
+class RunError(ValueError):
+    """A run table that does not match its schema; the message names the file and the column."""
+
+
+def _conform(df: pl.DataFrame, schema: pl.Schema, source: str) -> pl.DataFrame:
+    missing = [c for c in schema if c not in df.columns]
+    extra = [c for c in df.columns if c not in schema]
+    if missing or extra:
+        raise RunError(f"{source}: missing columns {missing}, unexpected columns {extra}")
+    try:
+        return df.select([pl.col(name).cast(dtype, strict=True) for name, dtype in schema.items()])
+    except pl.exceptions.InvalidOperationError as e:
+        raise RunError(f"{source}: a column does not cast to the run schema: {e}") from e
+
+
+def _write(df: pl.DataFrame, schema: pl.Schema, path: Path) -> Path:
+    table = _conform(df, schema, str(path))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        table.write_parquet(tmp, compression="zstd", statistics=False, metadata={VERSION_KEY: str(FORMAT_VERSION)})
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _read(path: Path, schema: pl.Schema) -> pl.DataFrame:
+    path = Path(path)
+    try:
+        version = pl.read_parquet_metadata(path).get(VERSION_KEY)
+    except (OSError, pl.exceptions.ComputeError) as e:
+        raise RunError(f"{path}: not a readable Parquet file: {e}") from e
+    if version != str(FORMAT_VERSION):
+        raise RunError(f"{path}: run table format version {version!r}, expected {FORMAT_VERSION}")
+    return _conform(pl.read_parquet(path), schema, str(path))
+
+
+def write_sessions(df: pl.DataFrame, run_dir: Path) -> Path:
+    bad = set(df["status"].to_list()) - set(SESSION_STATUSES) if "status" in df.columns else set()
+    if bad:
+        raise RunError(f"{Path(run_dir) / SESSIONS}: status {sorted(bad)} not in {SESSION_STATUSES}")
+    return _write(df, SESSIONS_SCHEMA, Path(run_dir) / SESSIONS)
+
+
+def read_sessions(run_dir: Path) -> pl.DataFrame:
+    return _read(Path(run_dir) / SESSIONS, SESSIONS_SCHEMA)
+
+
+def write_rewards(df: pl.DataFrame, run_dir: Path) -> Path:
+    bad = set(df["reason"].to_list()) - set(REWARD_REASONS) if "reason" in df.columns else set()
+    if bad:
+        raise RunError(f"{Path(run_dir) / REWARDS}: reason {sorted(bad)} not in {REWARD_REASONS}")
+    return _write(df, REWARDS_SCHEMA, Path(run_dir) / REWARDS)
+
+
+def read_rewards(run_dir: Path) -> pl.DataFrame:
+    return _read(Path(run_dir) / REWARDS, REWARDS_SCHEMA)
