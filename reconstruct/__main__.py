@@ -1,7 +1,7 @@
 """Captured model calls → token-faithful trajectories in Parquet (format: reconstruct/schema.py).
 
     python -m reconstruct CAPTURES... -o trajectories.parquet [--tokenizer DIR_OR_NAME] [--sessions sessions.parquet]
-        [--mode prefix|per-request] [--eot-token TOKEN] [--on-drift split|keep] [--shard I/N]
+        [--mode prefix|per-request] [--eot-token TOKEN] [--on-drift split|keep] [--shard I/N] [--jobs N]
     python -m reconstruct stats trajectories.parquet
     python -m reconstruct audit trajectories.parquet --model DIR [--threshold 0.01]
 
@@ -53,12 +53,17 @@ class Build:
     """Sessions table (session_id, task_id[, sample_id]) to fill task_id and sample_id."""
     shard: str | None = None
     """I/N: only the sessions whose stable hash is I modulo N (run N processes, one per shard)."""
+    jobs: int | None = None
+    """Worker processes that build sessions in parallel (the output is the same for any number); default: one
+    per CPU, up to 8, once the captures pass 256 MB, else 1 (starting a worker costs about half a second)."""
     progress: bool = True
     """Show a progress bar over sessions (on a terminal)."""
 
     def __post_init__(self) -> None:
         if not self.captures:
             raise ReconstructError("give at least one capture file or folder")
+        if self.jobs is not None and self.jobs < 1:
+            raise ReconstructError(f"--jobs must be >= 1, not {self.jobs}")
 
 
 @dataclasses.dataclass
@@ -112,11 +117,19 @@ def build(config: Build) -> None:
         on_drift=config.on_drift,
         eot_id=eot,
         shard=parse_shard(config.shard) if config.shard else None,
+        jobs=config.jobs if config.jobs is not None else _auto_jobs(config.captures),
         progress=(lambda names: tqdm(names, unit="session", disable=None)) if config.progress else None,
     )
     write_trajectories(df, stats, config.output)
     console.print(stats.table(f"{config.output} ({time.perf_counter() - started:.1f} s)"))
     console.print(f"wrote {config.output} and {stats_path(config.output)}", markup=False, soft_wrap=True)
+
+
+def _auto_jobs(captures: tuple[Path, ...]) -> int:
+    from reconstruct._io import discover
+
+    size = sum(p.stat().st_size for p in discover(list(captures)))
+    return min(8, os.cpu_count() or 1) if size > 256 << 20 else 1
 
 
 def stats(config: StatsCommand) -> None:

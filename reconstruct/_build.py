@@ -10,8 +10,11 @@ captures give the same table (and file) byte for byte.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import multiprocessing
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +23,7 @@ import polars as pl
 from reconstruct import schema
 from reconstruct._calls import Call
 from reconstruct._errors import ConfigError
-from reconstruct._extract import extract
+from reconstruct._extract import check_prompt_count, extract
 from reconstruct._io import CaptureIndex, discover, json_text, write_text_atomic
 from reconstruct._json import dumps
 from reconstruct._merge import Trace, merge, vote_eot
@@ -51,49 +54,111 @@ def reconstruct(
     on_drift: str = "split",
     eot_id: int | None = None,
     shard: tuple[int, int] | None = None,
-    progress: Callable[[list[str]], Any] | None = None,
+    jobs: int = 1,
+    progress: Callable[[list[str]], Iterable[Any]] | None = None,
 ) -> tuple[pl.DataFrame, Stats]:
     """The trajectory table of the captures under ``paths``, and what happened on the way.
 
     ``tokenizer`` rebuilds ids for calls recorded without them and gives the end-of-turn token (``eot_id``
-    overrides it); ``sessions`` maps session ids to (task_id, sample_id); ``progress`` wraps the session list
-    (tqdm, for instance)."""
+    overrides it); ``sessions`` maps session ids to (task_id, sample_id); ``jobs`` > 1 builds batches of sessions
+    in that many worker processes (the same table, byte for byte); ``progress`` wraps the session list (tqdm, for
+    instance)."""
+    if jobs < 1:
+        raise ConfigError(f"jobs must be >= 1, not {jobs}")
     retokenizer = Retokenizer(tokenizer, eot_id) if tokenizer is not None else None
     eot = eot_id if eot_id is not None else (retokenizer.eot_id if retokenizer else None)
     stats = Stats(mode=mode, on_drift=on_drift, eot_id=eot, shard=f"{shard[0]}/{shard[1]}" if shard else None)
     files = discover(paths)
     stats.files = len(files)
-    rows: dict[str, list[Any]] = {name: [] for name in schema.SCHEMA}
-    frames: list[pl.DataFrame] = []  # rows move into Arrow memory every few sessions: 9 bytes a token, not ~70
+    options = _Options(retokenizer, mode, on_drift, eot)
     with CaptureIndex(files) as index:
         names = sorted(s for s in index.sessions if in_shard(s, shard))
-        for session in progress(names) if progress else names:
-            calls = []
-            for record in index.records(session):
-                found = extract(record, retokenizer)
-                if found is None:
-                    stats.other_records += 1
-                else:
-                    calls += found
-            if not calls:
-                continue
-            stats.sessions += 1
-            _count_calls(calls, stats)
-            cut_at = eot if eot is not None else vote_eot(calls) if on_drift == "keep" and mode == "prefix" else None
-            traces = merge(calls, mode=mode, on_drift=on_drift, eot_id=cut_at)
-            task, sample = (sessions or {}).get(session, (None, None))
-            for k, trace in enumerate(traces):
-                _add_row(rows, session, k, task, sample, trace)
-                _count_trace(trace, stats)
-            if len(rows["trace_id"]) >= FRAME_ROWS:
-                frames.append(_frame(rows))
+        ticks = iter(progress(names)) if progress else iter(names)
+        if jobs == 1 or len(names) < 2:
+            frames, part = _build(index, names, sessions or {}, options, ticks)
+            stats.add(part)
+        else:
+            frames = []
+            # Contiguous batches, results taken in submission order: the table is the one a single process builds.
+            size = max(1, len(names) // (jobs * 8))
+            batches = [names[i : i + size] for i in range(0, len(names), size)]
+            work = [(files, {s: index.sessions[s] for s in b}, {s: (sessions or {}).get(s, (None, None)) for s in b}, options) for b in batches]  # fmt: skip
+            # spawn, not fork: polars' thread pool does not survive a fork.
+            with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+                for batch, (batch_frames, part) in zip(batches, pool.map(_build_batch, work)):
+                    frames += batch_frames
+                    stats.add(part)
+                    for _ in batch:
+                        next(ticks, None)
+        collections.deque(ticks, maxlen=0)  # finish the progress bar
         stats.lines = index.counts.lines
-        stats.corrupt_lines = index.counts.corrupt
+        stats.corrupt_lines += index.counts.corrupt  # found indexing here, and (single process) reading back
         stats.torn_lines = index.counts.torn
         stats.unsupported_records = index.counts.unsupported
-    frames.append(_frame(rows))
+    if not frames:
+        frames = [_frame({name: [] for name in schema.SCHEMA})]
     # Not rechunked: a copy of the whole table would double the peak for nothing (the writer takes chunks).
     return schema.conform(pl.concat(frames, rechunk=False)), stats
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    retokenizer: Retokenizer | None
+    mode: str
+    on_drift: str
+    eot: int | None
+
+
+def _build_batch(
+    work: tuple[list[Path], dict[str, list[tuple[int, int, int]]], dict[str, tuple[str | None, int | None]], _Options],
+) -> tuple[list[pl.DataFrame], Stats]:
+    """A worker process's share: the given sessions' traces (their record lines already located)."""
+    files, located, sessions, options = work
+    with CaptureIndex.located(files, located) as index:
+        frames, stats = _build(index, sorted(located), sessions, options, iter(()))
+    stats.corrupt_lines = index.counts.corrupt  # lines that failed to parse in full here
+    return frames, stats
+
+
+def _build(
+    index: CaptureIndex,
+    names: list[str],
+    sessions: dict[str, tuple[str | None, int | None]],
+    options: _Options,
+    ticks: Iterator[Any],
+) -> tuple[list[pl.DataFrame], Stats]:
+    """Traces of ``names``, session by session, as DataFrames of a few sessions each, and their stats."""
+    stats = Stats()
+    rows: dict[str, list[Any]] = {name: [] for name in schema.SCHEMA}
+    frames: list[pl.DataFrame] = []  # rows move into Arrow memory every few sessions: 9 bytes a token, not ~70
+    mode, on_drift, eot = options.mode, options.on_drift, options.eot
+    for session in names:
+        next(ticks, None)
+        calls = []
+        for record in index.records(session):
+            found = extract(record, options.retokenizer)
+            if found is None:
+                stats.other_records += 1
+            else:
+                calls += found
+        if not calls:
+            continue
+        stats.sessions += 1
+        cut_at = eot if eot is not None else vote_eot(calls) if on_drift == "keep" and mode == "prefix" else None
+        traces = merge(calls, mode=mode, on_drift=on_drift, eot_id=cut_at)
+        for trace in traces:
+            for call in trace.calls:
+                check_prompt_count(call)
+        _count_calls(calls, stats)
+        task, sample = sessions.get(session, (None, None))
+        for k, trace in enumerate(traces):
+            _add_row(rows, session, k, task, sample, trace)
+            _count_trace(trace, stats)
+        if len(rows["trace_id"]) >= FRAME_ROWS:
+            frames.append(_frame(rows))
+    if rows["trace_id"]:
+        frames.append(_frame(rows))
+    return frames, stats
 
 
 FRAME_ROWS = 64

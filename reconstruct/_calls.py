@@ -11,7 +11,7 @@ from typing import Any
 from reconstruct._json import dumps
 from reconstruct._tokens import TokenText
 
-__all__ = ["Call", "Completion", "Problem"]
+__all__ = ["Call", "Completion", "Problem", "Request"]
 
 
 class Problem:
@@ -47,6 +47,28 @@ class Completion:
     __hash__ = None  # type: ignore[assignment]
 
 
+class Request:
+    """What a call sent: the model asked for, and the messages and tools in Chat Completions form. Read from the
+    capture record when first asked for: merging works on token ids, and the request bodies are the larger half
+    of a record line, so for most calls they are never parsed."""
+
+    __slots__ = ("_parts", "_read")
+
+    def __init__(self, read: Callable[[], tuple[str | None, list[Any] | None, list[Any] | None]]) -> None:
+        self._read: Callable[[], tuple[str | None, list[Any] | None, list[Any] | None]] | None = read
+        self._parts: tuple[str | None, list[Any] | None, list[Any] | None] | None = None
+
+    @classmethod
+    def known(cls, model: str | None, messages: list[Any] | None, tools: list[Any] | None) -> Request:
+        return cls(lambda: (model, messages, tools))
+
+    def parts(self) -> tuple[str | None, list[Any] | None, list[Any] | None]:
+        if self._parts is None:
+            assert self._read is not None
+            self._parts, self._read = self._read(), None
+        return self._parts
+
+
 @dataclasses.dataclass(slots=True)
 class Call:
     """One model call (one choice of one captured exchange) as merging sees it."""
@@ -55,20 +77,33 @@ class Call:
     session_id: str
     order: tuple[float, str, int]  # (t_start, record id, choice): the session's call order
     api: str
-    model: str | None  # the model the client asked for
+    request: Request  # model, messages, tools: see the properties below
     prompt: TokenText | None
     output_ids: list[int] | None  # sampled ids (loss mask 1)
     logprobs: list[float] | None  # None when any sampled id has none
     finish_reason: str | None
     complete: bool  # the exchange finished (no broken stream, no client gone)
     source: str  # "captured" | "retokenized"
-    messages: list[Any] | None  # the request's messages (Chat Completions form)
-    tools: list[Any] | None
     completion: Completion | None  # what it got back (None when nothing came back)
     problem: str | None = None  # a Problem value when there are no usable tokens
     detail: str = ""  # free text for the problem
     notes: list[str] = dataclasses.field(default_factory=list)  # anomalies the stats count (see _extract)
+    usage_prompt: int | None = None  # the prompt token count the upstream's usage reported, checked after merging
     agent: str | None = None  # what identifies the agent (see agent_key); computed when first asked for
+
+    @property
+    def model(self) -> str | None:
+        """The model the client asked for."""
+        return self.request.parts()[0]
+
+    @property
+    def messages(self) -> list[Any] | None:
+        """The request's messages (Chat Completions form, as sent upstream)."""
+        return self.request.parts()[1]
+
+    @property
+    def tools(self) -> list[Any] | None:
+        return self.request.parts()[2]
 
     @property
     def answer(self) -> dict[str, Any] | None:

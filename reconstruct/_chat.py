@@ -181,8 +181,6 @@ class ChatAssembler:
         prompt = TokenText.from_json(text[cut:stop])
         if not (isinstance(usage, dict) and usage.get("completion_tokens") == len(ids) == len(logprobs) > 0):
             return None
-        if usage.get("prompt_tokens") not in (None, prompt.n):
-            return None
         self.usage, self.model, self.path = usage, last.get("model"), "fast"
         message = lambda: _exact_message(head + "null" + text[stop:])  # noqa: E731 - read only when asked for
         return [Completion(0, prompt, ids, logprobs, _last_finish(text), message)]

@@ -20,13 +20,14 @@ from collections.abc import Callable
 from typing import Any
 
 from addon.record import upstream_body
-from reconstruct._calls import Call, Completion, Problem
+from reconstruct._calls import Call, Completion, Problem, Request
 from reconstruct._chat import ChatAssembler
+from reconstruct._io import has_upstream_request
 from reconstruct._errors import RetokenizeError
 from reconstruct._retokenize import Retokenizer
 from reconstruct._tokens import TokenText
 
-__all__ = ["EXTRACTORS", "NATIVE_CONVERTERS", "extract", "register_native"]
+__all__ = ["EXTRACTORS", "NATIVE_CONVERTERS", "check_prompt_count", "extract", "register_native"]
 
 Extractor = Callable[[dict[str, Any], Retokenizer | None], list[Call]]
 NATIVE_CONVERTERS: dict[str, Callable[[dict[str, Any]], dict[str, Any] | None]] = {}
@@ -52,40 +53,40 @@ def register_native(api: str, converter: Callable[[dict[str, Any]], dict[str, An
 def extract_translated(record: dict[str, Any], retokenizer: Retokenizer | None) -> list[Call]:
     # A translated exchange always has its own upstream body (the native request is kept in ``request``);
     # Anthropic bodies have ``messages`` too, so the request alone proves nothing.
-    body = record.get("upstream_request")
-    if isinstance(body, dict) and isinstance(body.get("messages"), list):
+    if has_upstream_request(record):
         return extract_chat(record, retokenizer)
     converter = NATIVE_CONVERTERS.get(str(record.get("api")))
     converted = converter(record) if converter is not None else None
     if converted is not None:
         return extract_chat(converted, retokenizer)
-    return [_failed(record, None, Problem.NATIVE, f"{record.get('api')} call without a Chat Completions exchange")]
+    return [_failed(record, Problem.NATIVE, f"{record.get('api')} call without a Chat Completions exchange")]
 
 
 def extract_chat(record: dict[str, Any], retokenizer: Retokenizer | None) -> list[Call]:
-    body = upstream_body(record)
-    if not (isinstance(body, dict) and isinstance(body.get("messages"), list)):
-        return [_failed(record, None, Problem.ERROR, "the request is not a Chat Completions body")]
+    if record.get("request_raw") is not None:  # a head field: the bodies need not be parsed to know
+        return [_failed(record, Problem.ERROR, "the request is not a Chat Completions body (not JSON)")]
     text = _response_text(record)
     status = record.get("status")
     if text is None or status != 200:
         reason = (record.get("error") or {}).get("message") if isinstance(record.get("error"), dict) else None
-        return [_failed(record, body, Problem.ERROR, f"status {status}: {reason or (text or '')[:200]}")]
+        return [_failed(record, Problem.ERROR, f"status {status}: {reason or (text or '')[:200]}")]
     asm = ChatAssembler(streamed=not text.lstrip().startswith("{"))
     asm.decode(text)
     said = ("content", "reasoning", "tool_calls")
     completions = [c for c in asm.flush() if c.token_ids or any(c.message.get(k) for k in said)]
     if not completions:
-        return [_failed(record, body, Problem.ERROR, asm.error or "the answer holds no completion")]
+        return [_failed(record, Problem.ERROR, asm.error or "the answer holds no completion")]
     complete = record.get("complete") is True and not asm.torn and asm.error is None
     ids_ok = _ids_agree_with_usage(completions, asm.usage)
+    request = Request(lambda: _request_parts(record))  # parsed only if someone reads it (see _calls.Request)
     calls = []
     for comp in completions:
-        call = _call(record, body, comp, complete, len(completions))
+        call = _call(record, request, comp, complete, len(completions))
         if ids_ok and comp.prompt is not None and comp.token_ids:
             call.prompt, call.output_ids, call.logprobs = comp.prompt, comp.token_ids, comp.logprobs
+            call.usage_prompt = asm.usage.get("prompt_tokens") if asm.usage else None
         elif retokenizer is not None:
-            _retokenize(call, body, comp, retokenizer, asm.usage if len(completions) == 1 else None)
+            _retokenize(call, upstream_body(record), comp, retokenizer, asm.usage if len(completions) == 1 else None)
         else:
             call.problem, call.detail = Problem.MISSING_IDS, "no token ids in the answer and no --tokenizer"
         if not ids_ok:
@@ -94,30 +95,43 @@ def extract_chat(record: dict[str, Any], retokenizer: Retokenizer | None) -> lis
     return calls
 
 
-def _call(record: dict[str, Any], body: dict[str, Any], comp: Completion, complete: bool, n: int) -> Call:
+def _request_parts(record: dict[str, Any]) -> tuple[str | None, list[Any] | None, list[Any] | None]:
+    """(model asked for, messages, tools) of a record: the messages and tools of the Chat Completions body sent
+    upstream, the model of the client's own request (for a translated call, the native model name)."""
+    body = upstream_body(record)
+    request = record.get("request")
+    model = request.get("model") if isinstance(request, dict) else None
+    if not isinstance(body, dict):
+        return (model if isinstance(model, str) else None), None, None
+    messages = body.get("messages") if isinstance(body.get("messages"), list) else None
+    tools = body.get("tools") if isinstance(body.get("tools"), list) else None
+    return (model if isinstance(model, str) else None), messages, tools
+
+
+def _call(record: dict[str, Any], request: Request, comp: Completion, complete: bool, n: int) -> Call:
     rid = str(record.get("id"))
-    request = record.get("request") if isinstance(record.get("request"), dict) else body
     return Call(
         exchange_id=rid if n == 1 else f"{rid}#{comp.index}",
         session_id=str(record.get("session_id")),
         order=(float(record.get("t_start") or 0.0), rid, comp.index),
         api=str(record.get("api")),
-        model=request.get("model") if isinstance(request.get("model"), str) else None,
+        request=request,
         prompt=None,
         output_ids=None,
         logprobs=None,
         finish_reason=comp.finish_reason,
         complete=complete,
         source="captured",
-        messages=body["messages"],
-        tools=body.get("tools") if isinstance(body.get("tools"), list) else None,
         completion=comp,
     )
 
 
 def _retokenize(
-    call: Call, body: dict[str, Any], comp: Completion, retokenizer: Retokenizer, usage: dict[str, Any] | None
+    call: Call, body: Any, comp: Completion, retokenizer: Retokenizer, usage: dict[str, Any] | None
 ) -> None:
+    if not (isinstance(body, dict) and isinstance(body.get("messages"), list)):
+        call.problem, call.detail = Problem.TEMPLATE, "the request is not a Chat Completions body"
+        return
     kwargs = body.get("chat_template_kwargs") if isinstance(body.get("chat_template_kwargs"), dict) else None
     finish = comp.finish_reason if call.complete else None
     try:
@@ -137,33 +151,36 @@ def _retokenize(
 
 
 def _ids_agree_with_usage(completions: list[Completion], usage: dict[str, Any] | None) -> bool:
-    """vLLM can drop ids from a stream (a reasoning parser with include_reasoning=false, vllm#27482): the usage
-    counts tell. No usage (a torn stream) is no evidence against the ids."""
+    """vLLM can drop sampled ids from a stream (a reasoning parser with include_reasoning=false, vllm#27482): the
+    usage counts tell. No usage (a torn stream) is no evidence against the ids. The prompt's count is checked
+    after merging (``check_prompt_count``), where it comes for free."""
     if not usage or any(c.token_ids is None or c.prompt is None for c in completions):
         return True
     sampled = sum(len(c.token_ids or []) for c in completions)
-    prompt = completions[0].prompt
-    prompt_ok = usage.get("prompt_tokens") in (None, prompt.n if prompt else None)
-    return usage.get("completion_tokens") in (None, sampled) and prompt_ok
+    return usage.get("completion_tokens") in (None, sampled)
 
 
-def _failed(record: dict[str, Any], body: dict[str, Any] | None, problem: str, detail: str) -> Call:
+def check_prompt_count(call: Call) -> None:
+    """Note a call whose prompt ids disagree in number with the usage the upstream reported. Run once merging
+    has parsed the prompt's tail (or the whole of a trace's first prompt), so the count costs nothing."""
+    if call.usage_prompt is not None and call.prompt is not None and call.usage_prompt != call.prompt.n:
+        call.notes.append(IDS_DISAGREE)
+
+
+def _failed(record: dict[str, Any], problem: str, detail: str) -> Call:
     rid = str(record.get("id"))
-    request = record.get("request") if isinstance(record.get("request"), dict) else {}
     return Call(
         exchange_id=rid,
         session_id=str(record.get("session_id")),
         order=(float(record.get("t_start") or 0.0), rid, 0),
         api=str(record.get("api")),
-        model=request.get("model") if isinstance(request.get("model"), str) else None,
+        request=Request(lambda: _request_parts(record)),
         prompt=None,
         output_ids=None,
         logprobs=None,
         finish_reason=None,
         complete=False,
         source="captured",
-        messages=body.get("messages") if body else None,
-        tools=None,
         completion=None,
         problem=problem,
         detail=detail,

@@ -20,7 +20,7 @@ from reconstruct._errors import CaptureError, ConfigError
 from reconstruct._json import dumps, loads
 from reconstruct._lines import LineIndexer, parse_head
 
-__all__ = ["CaptureIndex", "discover", "read_sessions", "write_text_atomic"]
+__all__ = ["CaptureIndex", "CaptureRecord", "discover", "has_upstream_request", "parse_record", "read_sessions", "write_text_atomic"]
 
 BLOCK = 8 << 20
 
@@ -66,6 +66,19 @@ class CaptureIndex:
             self.close()
             raise CaptureError(f"cannot read capture file: {e}") from e
 
+    @classmethod
+    def located(cls, files: list[Path], sessions: dict[str, list[tuple[int, int, int]]]) -> CaptureIndex:
+        """An index built elsewhere (a worker process gets its share of sessions from the parent's index)."""
+        index = cls([])
+        index.files, index.sessions = files, sessions
+        try:
+            for path in files:
+                index._fds.append(os.open(path, os.O_RDONLY))
+        except OSError as e:
+            index.close()
+            raise CaptureError(f"cannot read capture file: {e}") from e
+        return index
+
     def _index(self, number: int) -> None:
         # Read in blocks rather than mapped: a mapping would count the whole file as this process's memory.
         indexer = LineIndexer()
@@ -95,20 +108,18 @@ class CaptureIndex:
             return
         self.sessions.setdefault(session, []).append((number, offset, length))
 
-    def _parse(self, line: bytes) -> dict[str, Any] | None:
-        try:
-            record = loads(line)
-        except ValueError:
-            record = None
-        if not isinstance(record, dict):
+    def _parse(self, line: bytes | bytearray) -> dict[str, Any] | None:
+        record = parse_record(bytearray(line) if isinstance(line, bytes) else line)
+        if record is None:
             self.counts.corrupt += 1
-            return None
         return record
 
     def records(self, session: str) -> Iterator[dict[str, Any]]:
         """The session's records, in file order; a line that does not parse is counted and skipped."""
         for number, offset, length in self.sessions.get(session, []):
-            record = self._parse(os.pread(self._fds[number], length, offset))
+            line = bytearray(length)
+            os.preadv(self._fds[number], [line], offset)
+            record = self._parse(line)
             if record is not None:
                 yield record
 
@@ -122,6 +133,79 @@ class CaptureIndex:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# The writer (addon/record.py ``encode``) ends every line with the request bodies, spliced in as received:
+# ``..., "response_body": <str|null>, "request": <json>, "upstream_request": <json|null>}``.
+_RESPONSE_KEY = b'"response_body": '
+_BODIES = b', "request": '
+_NO_UPSTREAM = b', "upstream_request": null}'
+_BODY_KEYS = frozenset(("request", "upstream_request"))
+
+
+class CaptureRecord(dict):  # type: ignore[type-arg]
+    """A parsed record line whose request bodies are parsed when first read: they are the larger half of a line
+    and most calls never need them (merging works on the token ids in the response)."""
+
+    def __init__(self, head: dict[str, Any], bodies: memoryview) -> None:
+        super().__init__(head)
+        self._bodies: memoryview | None = bodies  # '{"request": ..., "upstream_request": ...}'
+
+    def _load(self) -> None:
+        if self._bodies is not None:
+            bodies, self._bodies = self._bodies, None
+            try:
+                parsed = loads(bodies)
+            except ValueError:  # the head parsed, the bodies do not: keep the answer, lose the request
+                parsed = {}
+            self["request"] = parsed.get("request")
+            self["upstream_request"] = parsed.get("upstream_request")
+
+    def __getitem__(self, key: str) -> Any:
+        if key in _BODY_KEYS:
+            self._load()
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if key in _BODY_KEYS:
+            self._load()
+        return super().get(key, default)
+
+    def sent_upstream_request(self) -> bool:
+        """Whether ``upstream_request`` is set, without parsing the bodies."""
+        if self._bodies is not None:
+            return not self._bodies[-len(_NO_UPSTREAM) :] == _NO_UPSTREAM
+        return self.get("upstream_request") is not None
+
+
+def parse_record(line: bytearray) -> dict[str, Any] | None:
+    """One record line, its request bodies left for later when the line has the writer's layout; None when the
+    line is not a JSON object. ``line`` is split in place (no copy of a 200 KB line): ``..., "request": ...``
+    becomes ``...}{"request": ...`` and each half is parsed through a view."""
+    key = line.find(_RESPONSE_KEY)
+    cut = line.find(_BODIES, key) if key >= 0 else -1  # no unescaped quote inside the response_body string
+    if cut >= 0:
+        line[cut : cut + 2] = b"}{"
+        view = memoryview(line)
+        try:
+            head = loads(view[: cut + 1])
+        except ValueError:
+            head = None  # not the writer's layout after all (or damaged): the whole line decides
+        if isinstance(head, dict) and "response_body" in head:
+            return CaptureRecord(head, view[cut + 1 :])
+        view.release()
+        line[cut : cut + 2] = _BODIES[:2]
+    try:
+        record = loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def has_upstream_request(record: dict[str, Any]) -> bool:
+    if isinstance(record, CaptureRecord):
+        return record.sent_upstream_request()
+    return record.get("upstream_request") is not None
 
 
 def read_sessions(path: Path) -> dict[str, tuple[str | None, int | None]]:

@@ -117,17 +117,20 @@ def _link(calls: list[Call], eot_id: int | None) -> tuple[list[Edge | None], lis
     """Each call's edge to its parent (None for a root), and for roots the cause of their trace's start."""
     edges: list[Edge | None] = []
     causes: list[str | None] = []
-    by_length: list[tuple[int, int]] = []  # (-len(prompt), -index) of earlier calls: longest, then latest first
+    # Earlier calls, longest prompt first, then latest. Prompt *text* length orders them: among prefixes of one
+    # prompt, more ids means more text, and the text's length costs nothing while the count of ids would.
+    by_length: list[tuple[int, int]] = []  # (-len(prompt text), -index)
     for i, c in enumerate(calls):
         assert c.prompt is not None and c.output_ids is not None
         edge: Edge | None = None
         identical = other_source = False
         best = -1
+        size = len(c.prompt.text)
         for neg_n, neg_j in by_length:
             n, j = -neg_n, -neg_j
             if n < best:
                 break
-            if n >= c.prompt.n:
+            if n >= size:
                 identical = identical or calls[j].prompt == c.prompt
                 continue
             d = calls[j]
@@ -157,7 +160,7 @@ def _link(calls: list[Call], eot_id: int | None) -> tuple[list[Edge | None], lis
         else:
             same_agent = any(calls[j].agent_key() == c.agent_key() for j in range(i))  # computed only here
             causes.append("prompt_rewritten" if same_agent else "separate_agent")
-        bisect.insort(by_length, (-c.prompt.n, -i))
+        bisect.insort(by_length, (-size, -i))
     return edges, causes
 
 

@@ -51,6 +51,16 @@ class Stats:
     def calls_per_trace(self) -> float:
         return self.merged_calls / self.traces if self.traces else 0.0
 
+    def add(self, part: Stats) -> None:
+        """Fold in the per-session counts of a part of the run (a worker's batch of sessions)."""
+        for name in ("sessions", "calls", "merged_calls", "retokenized_calls", "other_records", "traces",
+                     "drift_turns", "tokens_prompt", "tokens_trainable", "tokens_masked", "corrupt_lines"):  # fmt: skip
+            setattr(self, name, getattr(self, name) + getattr(part, name))
+        self.max_calls_per_trace = max(self.max_calls_per_trace, part.max_calls_per_trace)
+        for mine, theirs in ((self.dropped, part.dropped), (self.notes, part.notes), (self.breaks, part.breaks)):
+            for key, n in theirs.items():
+                mine[key] = mine.get(key, 0) + n
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -2,7 +2,9 @@
 
 A session of K calls resends its history every call: its prompts hold O(K²) token ids, its traces O(K). Holding
 each prompt as the text ``[1,2,3]`` (whitespace removed) makes "is p a token prefix of q" one ``startswith``
-(memcmp speed) and lets only the tails that a trace keeps be parsed into ints. ``cut_array`` lifts the
+(memcmp speed) and lets only the tails that a trace keeps be parsed into ints. Even the count of ids is not
+taken up front: a prompt's count is learnt from its prefix's count plus the tail merging parses anyway, and only
+a trace's first prompt (parsed whole) or a caller that asks pays for counting. ``cut_array`` lifts the
 ``prompt_token_ids`` array out of a response body before the body is parsed, so it is never turned into
 Python ints at all.
 """
@@ -23,12 +25,19 @@ _WS = re.compile(r"\s+")
 class TokenText:
     """An immutable token id sequence as canonical JSON text: ``[`` ids joined by ``,`` ``]``."""
 
-    __slots__ = ("_head", "n", "text")
+    __slots__ = ("_head", "_n", "text")
 
-    def __init__(self, text: str, n: int) -> None:
+    def __init__(self, text: str, n: int | None = None) -> None:
         self.text = text
-        self.n = n
+        self._n = n
         self._head: str | None = None
+
+    @property
+    def n(self) -> int:
+        """How many ids; counted on first use unless already learnt (see ``tail_after`` and ``ids``)."""
+        if self._n is None:
+            self._n = self.text.count(",") + 1 if len(self.text) > 2 else 0
+        return self._n
 
     @classmethod
     def from_ids(cls, ids: Sequence[int]) -> TokenText:
@@ -43,13 +52,16 @@ class TokenText:
         # does not; Python's json.dumps puts ", " everywhere).
         if _WS.search(text, 0, 64):
             text = _WS.sub("", text)
-        return cls(text, text.count(",") + 1 if len(text) > 2 else 0)
+        return cls(text)
 
     def ids(self) -> list[int]:
         ids = loads(self.text)
-        if len(ids) != self.n or (self.n and not self.text[1:-1].replace(",", "").isdigit()):  # C speed
-            if len(ids) != self.n or not all(type(i) is int and i >= 0 for i in ids):
+        if not isinstance(ids, list) or (self._n is not None and len(ids) != self._n):
+            raise ValueError("a token id array holds something other than token ids")
+        if ids and not self.text[1:-1].replace(",", "").isdigit():  # C speed; the slow check only when odd
+            if not all(type(i) is int and i >= 0 for i in ids):
                 raise ValueError("a token id array holds something other than token ids")
+        self._n = len(ids)
         return ids
 
     def _open(self) -> str:
@@ -59,7 +71,7 @@ class TokenText:
 
     def is_prefix_of(self, other: TokenText) -> bool:
         """True when ``other`` starts with these ids (equal sequences included)."""
-        if self.n == 0:
+        if len(self.text) == 2:
             return True
         head = self._open()
         return other.text.startswith(head) and other.text[len(head)] in ",]"
@@ -71,11 +83,15 @@ class TokenText:
         return hash(self.text)
 
     def tail_after(self, prefix: TokenText) -> list[int]:
-        """The ids of ``self`` after ``prefix``, which must be a prefix of it."""
-        if prefix.n == 0:
+        """The ids of ``self`` after ``prefix``, which must be a prefix of it; ``self`` learns its count from them
+        when it had none (the prefix's count, then, is counted once and passed on along a chain)."""
+        if len(prefix.text) == 2:
             return self.ids()
         rest = self.text[len(prefix.text) - 1 : -1]  # ",4,5" or ""
-        return loads("[" + rest[1:] + "]") if rest else []
+        tail = loads("[" + rest[1:] + "]") if rest else []
+        if self._n is None:
+            self._n = prefix.n + len(tail)
+        return tail
 
     def __len__(self) -> int:
         return self.n

@@ -11,7 +11,7 @@ two "proxy processes" that rotate their files at 256 MB, as the addon does.
 
 Then, each in its own child process (so peak memory is its own): (1) the baseline, reading every file and parsing
 each line with orjson if installed (else json); (2) the reconstruction, ``reconstruct()`` plus writing the
-Parquet. Prints a table (time, time / baseline with the <= 2x target, tokens/s, peak memory against the largest
+Parquet, in one process; (3) the same with ``--jobs`` worker processes (one per CPU by default). Prints a table (time, time / baseline with the <= 2x target, tokens/s, peak memory against the largest
 session and the whole capture set) and writes it as Markdown with the raw numbers as JSON next to it. Exit 1 when
 the reconstruction is wrong (trainable tokens != sampled tokens, traces != sessions + breaks).
 """
@@ -67,8 +67,11 @@ class Config:
     keep: Path | None = None
     """Keep the generated captures and trajectories in this folder (default: a temporary one, removed)."""
     seed: int = 0
+    jobs: int = os.cpu_count() or 1
+    """Worker processes for the parallel run (``python -m reconstruct --jobs``); the single-process run is always
+    measured too."""
     # Internal: the measured phases run as child processes of this same module.
-    phase: Literal["all", "parse", "reconstruct"] = "all"
+    phase: Literal["all", "parse", "reconstruct", "parallel"] = "all"
     """all: generate and measure; parse / reconstruct: one measured phase (child process)."""
     captures: Path | None = None
     """(phase) the capture folder."""
@@ -316,16 +319,17 @@ def phase_parse(folder: Path) -> dict[str, Any]:
     }
 
 
-def phase_reconstruct(folder: Path, out: Path) -> dict[str, Any]:
+def phase_reconstruct(folder: Path, out: Path, jobs: int) -> dict[str, Any]:
     from reconstruct import reconstruct, write_trajectories
 
     rss0 = _maxrss()
-    start, cpu = time.perf_counter(), time.process_time()
-    df, stats = reconstruct([folder])
+    start, cpu = time.perf_counter(), _cpu()
+    df, stats = reconstruct([folder], jobs=jobs)
     write_trajectories(df, stats, out)
     return {
         "seconds": time.perf_counter() - start,
-        "cpu_seconds": time.process_time() - cpu,
+        "cpu_seconds": _cpu() - cpu,  # workers included
+        "worker_rss_peak": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
         "rss_start": rss0,
         "rss_peak": _maxrss(),
         "traces": stats.traces,
@@ -350,12 +354,17 @@ def fastest(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _cpu() -> float:
+    own, workers = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + workers.ru_utime + workers.ru_stime
+
+
 def _maxrss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def child(cfg: Config, phase: str, folder: Path) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "tests.bench.reconstruct", "--phase", phase, "--captures", str(folder)]
+    cmd = [sys.executable, "-m", "tests.bench.reconstruct", "--phase", phase, "--captures", str(folder), "--jobs", str(cfg.jobs)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"{phase} failed:\n{done.stderr[-3000:]}")
@@ -365,10 +374,11 @@ def child(cfg: Config, phase: str, folder: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------- report
 
 
-def report(cfg: Config, gen: dict[str, Any], parse: dict[str, Any], rec: dict[str, Any], gen_s: float) -> tuple[Table, str, dict[str, Any]]:
+def report(cfg: Config, gen: dict[str, Any], parse: dict[str, Any], rec: dict[str, Any], par: dict[str, Any], gen_s: float) -> tuple[Table, str, dict[str, Any]]:
     mb = 1 << 20
     ratio = rec["seconds"] / parse["seconds"]
     cpu_ratio = rec["cpu_seconds"] / parse["cpu_seconds"]
+    par_ratio = par["seconds"] / parse["seconds"]
     calls_tokens = gen["prompt_tokens"] + gen["sampled_tokens"]
     trace_tokens = rec["prompt"] + rec["trainable"] + rec["masked"]
     rows = [
@@ -377,13 +387,16 @@ def report(cfg: Config, gen: dict[str, Any], parse: dict[str, Any], rec: dict[st
         ("tokens in the calls (prompts + sampled)", f"{calls_tokens:,}"),
         ("tokens in the traces (prompt + response)", f"{trace_tokens:,} in {rec['traces']:,} traces"),
         (f"baseline: read + parse every line ({parse['json']}), wall / CPU", f"{parse['seconds']:.2f} / {parse['cpu_seconds']:.2f} s"),
-        ("reconstruct (index, parse, merge, write Parquet), wall / CPU", f"{rec['seconds']:.2f} / {rec['cpu_seconds']:.2f} s"),
-        ("reconstruct / baseline, wall (target <= 2x)", f"{ratio:.2f}x {'PASS' if ratio <= 2 else 'MISS'}"),
+        ("reconstruct, 1 process (index, parse, merge, write Parquet), wall / CPU", f"{rec['seconds']:.2f} / {rec['cpu_seconds']:.2f} s"),
+        ("reconstruct / baseline, 1 process, wall", f"{ratio:.2f}x"),
         ("reconstruct / baseline, CPU", f"{cpu_ratio:.2f}x"),
+        (f"reconstruct --jobs {cfg.jobs}, wall / CPU (all processes)", f"{par['seconds']:.2f} / {par['cpu_seconds']:.2f} s"),
+        (f"reconstruct --jobs {cfg.jobs} / baseline, wall (target <= 2x)", f"{par_ratio:.2f}x {'PASS' if par_ratio <= 2 else 'MISS'}"),
         ("throughput: call tokens / s", f"{calls_tokens / rec['seconds'] / 1e6:,.1f} M"),
         ("throughput: capture MB / s", f"{gen['bytes'] / mb / rec['seconds']:,.0f}"),
         ("peak RSS: reconstruct / baseline parse", f"{rec['rss_peak'] / mb:,.0f} / {parse['rss_peak'] / mb:,.0f} MB"),
         ("peak RSS above imports: reconstruct", f"{(rec['rss_peak'] - rec['rss_start']) / mb:,.0f} MB"),
+        (f"peak RSS, --jobs {cfg.jobs}: parent / largest worker", f"{par['rss_peak'] / mb:,.0f} / {par['worker_rss_peak'] / mb:,.0f} MB"),
         ("largest session / whole capture set", f"{gen['largest_session_bytes'] / mb:,.1f} / {gen['bytes'] / mb:,.0f} MB"),
         ("output Parquet", f"{rec['parquet_bytes'] / mb:,.1f} MB"),
     ]  # fmt: skip
@@ -397,7 +410,8 @@ def report(cfg: Config, gen: dict[str, Any], parse: dict[str, Any], rec: dict[st
         f"{when}, {'quick' if cfg.quick else 'full'} run, {platform.machine()} with {os.cpu_count()} CPUs shared with "
         f"other work; Python {platform.python_version()}; generating the captures took {gen_s:.0f} s (not measured).",
         f"Baseline and reconstruction each run in a fresh child process, alternated, fastest of {len(parse['all_seconds'])} "
-        f"counted (baseline runs {parse['all_seconds']} s, reconstruction runs {rec['all_seconds']} s); files in the page "
+        f"counted (baseline runs {parse['all_seconds']} s, reconstruction runs {rec['all_seconds']} s, with --jobs "
+        f"{cfg.jobs} {par['all_seconds']} s); files in the page "
         "cache (the generator just wrote them); peak RSS is the child's ru_maxrss, imports included.",
         "Prompts grow linearly per session; every other session streamed (one SSE chunk per sampled token); a "
         "compaction every 10th session and a retried call every 7th; sessions interleaved over two writers.",
@@ -406,7 +420,8 @@ def report(cfg: Config, gen: dict[str, Any], parse: dict[str, Any], rec: dict[st
     ]
     md = ["| metric | value |", "| --- | ---: |", *[f"| {n} | {v} |" for n, v in rows], "", *[f"- {n}" for n in notes]]
     raw = {"config": dataclasses.asdict(cfg) | {"out": str(cfg.out), "keep": str(cfg.keep)}, "generated": gen,
-           "parse": parse, "reconstruct": rec, "ratio": ratio, "cpu_ratio": cpu_ratio, "when": when}  # fmt: skip
+           "parse": parse, "reconstruct": rec, "parallel": par, "ratio": ratio, "cpu_ratio": cpu_ratio,
+           "parallel_ratio": par_ratio, "when": when}  # fmt: skip
     return table, "\n".join(md) + "\n", raw
 
 
@@ -416,7 +431,8 @@ def main(cfg: Config) -> int:
         if cfg.phase == "parse":
             result = phase_parse(cfg.captures)
         else:
-            result = phase_reconstruct(cfg.captures, cfg.captures.parent / "trajectories.parquet")
+            jobs = 1 if cfg.phase == "reconstruct" else cfg.jobs
+            result = phase_reconstruct(cfg.captures, cfg.captures.parent / f"trajectories-{jobs}.parquet", jobs)
         print(json.dumps(result))
         return 0
     work = cfg.keep or Path(tempfile.mkdtemp(prefix="bench-reconstruct-"))
@@ -429,24 +445,24 @@ def main(cfg: Config) -> int:
             gen = generate(folder, cfg)
             gen_s = time.perf_counter() - started
         console.print(f"generated {gen['records']:,} records, {gen['bytes'] >> 20:,} MB in {gen_s:.0f} s")
-        runs: dict[str, list[dict[str, Any]]] = {"parse": [], "reconstruct": []}
+        runs: dict[str, list[dict[str, Any]]] = {"parse": [], "reconstruct": [], "parallel": []}
         repeats = cfg.repeats or (3 if cfg.quick else 2)
         for i in range(repeats):  # alternated, so load from other work hits both alike
-            for phase in ("parse", "reconstruct"):
+            for phase in runs:
                 with console.status(f"run {i + 1}/{repeats}: {phase}"):
                     runs[phase].append(child(cfg, phase, folder))
-        parse, rec = (fastest(runs[p]) for p in ("parse", "reconstruct"))
+        parse, rec, par = (fastest(runs[p]) for p in ("parse", "reconstruct", "parallel"))
     finally:
         if cfg.keep is None:
             shutil.rmtree(work, ignore_errors=True)
-    table, md, raw = report(cfg, gen, parse, rec, gen_s)
+    table, md, raw = report(cfg, gen, parse, rec, par, gen_s)
     console.print(table)
     out = cfg.out if cfg.out.is_absolute() else ROOT / cfg.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(md)
     out.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n")
     console.print(f"wrote {out} and {out.with_suffix('.json')}")
-    ok = rec["trainable"] == gen["sampled_tokens"] and rec["traces"] == gen["expected_traces"]
+    ok = all(r["trainable"] == gen["sampled_tokens"] and r["traces"] == gen["expected_traces"] for r in (rec, par))
     if not ok:
         console.print("[red]reconstruction check failed[/]")
     return 0 if ok else 1

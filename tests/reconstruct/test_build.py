@@ -94,6 +94,17 @@ def test_the_file_is_atomic_deterministic_and_keeps_its_stats(built, folder, cap
     assert saved == stats and file_stats(schema.read(a), saved) == stats
 
 
+@pytest.mark.slow
+def test_worker_processes_build_the_same_file(built, folder, captures, tokenizer, tmp_path):
+    df, stats = built
+    parallel = reconstruct([folder, captures.plain_dir], tokenizer=tokenizer, jobs=2)
+    a = write_trajectories(df, stats, tmp_path / "a" / "trajectories.parquet")
+    b = write_trajectories(*parallel, tmp_path / "b" / "trajectories.parquet")
+    assert a.read_bytes() == b.read_bytes() and stats_path(a).read_bytes() == stats_path(b).read_bytes()
+    with pytest.raises(ConfigError):
+        reconstruct([folder], jobs=0)
+
+
 def test_shards_partition_the_sessions(built, folder, captures, tokenizer):
     df, _ = built
     parts = [reconstruct([folder, captures.plain_dir], tokenizer=tokenizer, shard=(i, 3))[0] for i in range(3)]

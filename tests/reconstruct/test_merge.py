@@ -5,6 +5,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from reconstruct import Call, Retokenizer, TokenText, extract, merge, vote_eot
+from reconstruct._calls import Request
 from tests.reconstruct.conftest import EXPECTED_CALLS, S, oracle
 
 EOT = 2  # <|im_end|> in the tiny tokenizer
@@ -106,9 +107,9 @@ def test_plain_sessions_retokenize_to_the_captured_tokens(session_calls):
 
 def call(n, prompt, out, *, source="captured", complete=True, finish="stop", agent="A", logprobs=True):
     return Call(
-        exchange_id=f"c{n}", session_id="s", order=(float(n), f"c{n}", 0), api="chat", model="m",
+        exchange_id=f"c{n}", session_id="s", order=(float(n), f"c{n}", 0), api="chat", request=Request.known("m", [], None),
         prompt=TokenText.from_ids(prompt), output_ids=out, logprobs=[-0.5] * len(out) if logprobs else None,
-        finish_reason=finish, complete=complete, source=source, messages=[], tools=None, completion=None, agent=agent,
+        finish_reason=finish, complete=complete, source=source, completion=None, agent=agent,
     )  # fmt: skip
 
 
