@@ -3,7 +3,8 @@
     mitmdump --mode reverse:http://127.0.0.1:8000 --listen-host 127.0.0.1 -p 8080 \\
         -s addon/polar.py --set polar_dir=captures --set polar_upstream=vllm
 
-Point the harness's base URL at the proxy and set its API key to a session id. Each finished
+Point the harness's base URL at the proxy and set its API key to a session id, or run it unchanged
+through the proxy in regular mode (transparent mode, ``addon/reroute.py``). Each finished
 exchange becomes one JSON line under ``polar_dir`` (format: ``addon/record.py``). Chat Completions
 streams pass through untouched: a tee keeps a copy of every chunk as it passes. Anthropic,
 Responses and Google calls go upstream as Chat Completions and come back translated, chunk by
@@ -27,12 +28,13 @@ from typing import Any
 
 from mitmproxy import ctx, exceptions, http
 from mitmproxy.net import encoding
+from mitmproxy.proxy import mode_specs
 
 if __package__ in (None, "", "__mitmproxy_script__"):
     # `mitmdump -s addon/polar.py` loads this file as a loose script: make its package importable.
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from addon import chat, native, proxy_errors, session, translating  # noqa: E402
+from addon import chat, native, proxy_errors, reroute, session, translating  # noqa: E402
 from addon.record import Body, Exchange  # noqa: E402
 from addon.writer import CaptureWriter  # noqa: E402
 
@@ -175,13 +177,14 @@ class Polar:
         return self._salt
 
     def running(self) -> None:
-        host = ctx.options.listen_host
-        if not _is_loopback(host):
-            log.warning(
-                "polar: the proxy listens on %s, beyond loopback; captures hold users' code and prompts. "
-                "Use --listen-host 127.0.0.1 unless other machines must reach it.",
-                host or "all interfaces",
-            )
+        # --mode regular@HOST:PORT names its own address; --listen-host is the default for the others.
+        for host in {mode_specs.ProxyMode.parse(m).listen_host(ctx.options.listen_host) for m in ctx.options.mode}:
+            if not _is_loopback(host):
+                log.warning(
+                    "polar: the proxy listens on %s, beyond loopback; captures hold users' code and prompts. "
+                    "Use --listen-host 127.0.0.1 unless other machines must reach it.",
+                    host or "all interfaces",
+                )
         if "connection_strategy" in ctx.options and ctx.options.connection_strategy == "eager":
             # Eager reverse mode dials the upstream when the client connects and, if that fails,
             # hangs up without an answer or a flow; lazy dials per request, so the refusal
@@ -197,14 +200,23 @@ class Polar:
     @guarded
     def request(self, flow: http.HTTPFlow) -> None:
         # One hook for the whole request: each hook a script defines costs every flow a dispatch.
+        route = flow.metadata.get(reroute.ROUTE_KEY)  # None: reverse mode, every call is ours
+        if route == reroute.PASS:
+            return
+        # Capture-only calls go on to the real provider, which needs the harness's own key.
+        to_provider = route == reroute.CAPTURE
         headers = {k.lower(): v for k, v in flow.request.headers.items()}
-        for name in session.CREDENTIAL_HEADERS:  # first, so no later failure can forward them
-            flow.request.headers.pop(name, None)
+        if not to_provider:
+            for name in session.CREDENTIAL_HEADERS:  # first, so no later failure can forward them
+                flow.request.headers.pop(name, None)
         found = session.resolve(headers, flow.request.path, self.salt)
-        flow.request.path = found.path
-        if self.upstream_key:
-            self._set_upstream_key(flow, found.credential_header)
-        flow.request.headers[session.SESSION_HEADER] = found.id
+        if to_provider:
+            flow.request.headers.pop(session.SESSION_HEADER, None)  # ours, not the provider's
+        else:
+            flow.request.path = found.path
+            if self.upstream_key:
+                self._set_upstream_key(flow, found.credential_header)
+            flow.request.headers[session.SESSION_HEADER] = found.id
         # The tee must see plain bytes; a gzipped stream could not be recorded chunk by chunk.
         flow.request.headers["accept-encoding"] = "identity"
         try:
@@ -212,11 +224,16 @@ class Polar:
         except ValueError:  # a content-encoding we cannot undo: record the bytes as sent
             data = flow.request.raw_content or b""
         request = Body.parse(data)
+        api = detect_api(found.path, headers, request.value)
+        if route == reroute.REROUTE and not reroute.is_model_call(flow.request.method, api):
+            flow.response = reroute.local_answer(flow.request)  # not a model call: unrecorded, never forwarded
+            return
+        upstream = "plain" if to_provider else self.upstream
         ex = Exchange(
             session_id=found.id,
             session_source=found.source,
-            api=detect_api(found.path, headers, request.value),
-            upstream=self.upstream,
+            api=api,
+            upstream=upstream,
             method=flow.request.method,
             path=found.path,
             t_start=flow.request.timestamp_start or time.time(),
@@ -230,10 +247,10 @@ class Polar:
             ex.error = {"kind": "addon", "message": message}
             return
         body = ex.request.value
-        if ex.api in translating.NATIVE and self.translate and flow.request.method == "POST":
+        if ex.api in translating.NATIVE and self.translate and not to_provider and flow.request.method == "POST":
             translating.translate_request(flow, ex, headers, self.native_options)
         elif ex.api == "chat" and isinstance(body, dict):
-            added = chat.token_fields(body, self.upstream)
+            added = chat.token_fields(body, upstream)
             if added:
                 sent, pure_addition = chat.splice(data, body, added)
                 flow.request.content = sent
@@ -256,7 +273,7 @@ class Polar:
             return
         ex.t_first_byte = time.time()
         ex.status = flow.response.status_code
-        ex.response_headers = dict(flow.response.headers.items())
+        ex.response_headers = _recordable_response_headers(flow.response)
         ex.streamed = flow.response.headers.get("content-type", "").startswith("text/event-stream")
         ex.content_encoding = flow.response.headers.get("content-encoding", "")
         # Only event streams are teed: mitmproxy forwards a JSON answer in one piece once it is
@@ -276,7 +293,7 @@ class Polar:
             return
         if ex.status is None:  # answered by the addon itself, without an upstream
             ex.status = flow.response.status_code
-            ex.response_headers = dict(flow.response.headers.items())
+            ex.response_headers = _recordable_response_headers(flow.response)
         if not ex.streamed:  # buffered by mitmproxy, still content-encoded: encode() undoes that
             ex.chunks, ex.chunk_times = [flow.response.raw_content or b""], [time.time()]
             if (translation := flow.metadata.get(translating.TRANSLATION_KEY)) is not None:
@@ -334,6 +351,11 @@ def _load_salt(path: Path) -> bytes:
         return salt
 
 
+def _recordable_response_headers(response: http.Response) -> dict[str, str]:
+    # A real provider (capture-only mode) sets cookies; like the client's, they stay off disk.
+    return {k: v for k, v in response.headers.items() if k.lower() != "set-cookie"}
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -358,4 +380,5 @@ def _stream_ended(api: str, chunks: list[bytes]) -> bool:
     return marker is not None and marker in tail
 
 
-addons = [Polar()]
+# Reroute first: it marks each flow (and rewrites rerouted ones) before Polar's request hook reads it.
+addons = [reroute.Reroute(), Polar()]
