@@ -1,0 +1,371 @@
+"""Grade patches with swebench: run each task's eval script on a fresh checkout, let swebench's grading decide.
+
+    python -m eval score RUN_DIR [--runner local|docker] [--timeout S] [--concurrency K]
+    python -m eval score --gold --tasks toy --out runs/gold             # the reference patches: all resolved
+    python -m eval score --predictions preds.jsonl --tasks tasks.jsonl --out runs/p1
+
+RUN_DIR holds ``tasks.jsonl`` and ``sessions.parquet`` (eval/runs.py); every session gets one row in
+``RUN_DIR/rewards.parquet`` (sorted by session_id, so a rerun writes the same table) and its logs in
+``RUN_DIR/logs/<session_id>/``: ``patch.diff``, ``eval.sh``, ``eval.log`` (patch application, then the eval
+script's output, which is what swebench grades) and ``report.json`` (swebench's report). ``--predictions`` takes
+swebench's JSONL (``instance_id, model_name_or_path, model_patch``), ``--gold`` the tasks' own patches; both
+write a run folder to ``--out`` with session ids ``<model_name_or_path>/<instance_id>``.
+
+The local runner (default) needs no Docker: a fresh ``eval.tasks.checkout`` in a temporary folder, the patch
+applied with ``git apply`` or else ``patch --fuzz``, then ``bash eval.sh`` in its own process group, killed at
+the timeout, with a scrubbed environment (no keys, HOME a temporary folder), the grader's virtualenv first on
+PATH and ``PYTHON`` set to its interpreter, which the eval script runs pytest with. Grading is swebench's own
+``get_eval_report`` with the instance's ``log_parser``. ``--runner docker`` hands each instance to swebench's
+``run_instance`` and needs a Docker daemon and the instances' images.
+
+Reasons (eval/runs.py REWARD_REASONS): ``graded`` (swebench graded it, resolved or not), ``empty_patch``,
+``patch_failed``, ``tests_timed_out``, ``eval_error`` (a broken instance, an eval script whose output swebench
+refuses, any other failure: eval.log says which), ``session_failed`` (the harness crashed or timed out and
+left no patch). ``grade`` never raises for one bad session.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import traceback
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import polars as pl
+import tyro
+from swebench.harness.constants import APPLY_PATCH_FAIL, APPLY_PATCH_PASS, TESTS_TIMEOUT
+from swebench.harness.grading import get_eval_report
+from swebench.harness.utils import make_test_spec
+from swebench.types import TestSpec
+from tqdm import tqdm
+
+from eval.runs import LOGS, REWARDS_SCHEMA, TASKS, read_sessions, write_rewards
+from eval.tasks import GIT_ENV, TaskError, checkout, load_tasks, save_tasks, validate
+
+if TYPE_CHECKING:
+    from docker import DockerClient
+
+__all__ = ["Args", "Grade", "grade", "main"]
+
+
+@dataclasses.dataclass
+class Args:
+    run_dir: tyro.conf.Positional[Path | None] = None
+    """run folder with tasks.jsonl and sessions.parquet; rewards.parquet and logs/ are written into it"""
+
+    # --- how to grade
+    runner: Literal["local", "docker"] = "local"
+    """local: eval script in a subprocess sandbox on this machine; docker: swebench's containers (needs a daemon)"""
+    timeout: float = 900.0
+    """seconds one eval script may run before it is killed (reason tests_timed_out)"""
+    concurrency: int = 2
+    """sessions graded at once"""
+
+    # --- instead of RUN_DIR: a swebench-style predictions file, or the tasks' gold patches
+    predictions: Path | None = None
+    """JSONL of {instance_id, model_name_or_path, model_patch}; needs --tasks and --out"""
+    gold: bool = False
+    """grade each task's own reference patch (model_name_or_path "gold"); needs --tasks and --out"""
+    tasks: str | None = None
+    """with --predictions/--gold: "toy", or a .json/.jsonl/.parquet file of SWE-bench instances"""
+    out: Path | None = None
+    """with --predictions/--gold: run folder to write tasks.jsonl, rewards.parquet and logs/ into"""
+
+    def __post_init__(self) -> None:
+        if self.predictions is not None and self.gold:
+            raise ValueError("give --predictions FILE or --gold, not both")
+        from_file = self.predictions is not None or self.gold
+        if from_file == (self.run_dir is not None):
+            raise ValueError("give either RUN_DIR, or --predictions FILE / --gold with --tasks and --out")
+        if from_file and (self.tasks is None or self.out is None):
+            raise ValueError("--predictions and --gold need --tasks SPEC and --out DIR")
+        if self.concurrency < 1 or self.timeout <= 0:
+            raise ValueError(f"--concurrency must be >= 1 and --timeout > 0, got {self.concurrency}, {self.timeout}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Grade:
+    """One patch's grade; ``reason`` is one of eval/runs.py REWARD_REASONS."""
+
+    reward: float
+    resolved: bool
+    reason: str
+    report: dict | None  # swebench's report for the instance; None when it was not graded
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One row to grade: a session of RUN_DIR, or one prediction."""
+
+    session_id: str
+    task_id: str
+    sample_id: int
+    harness: str | None
+    patch: str
+    harness_failed: bool  # crashed / timed out / never set up: an empty patch is the harness's fault
+
+
+HARNESS_FAILED = ("crashed", "timeout", "setup_failed")
+APPLY_COMMANDS = (["git", "apply", "--verbose"], ["patch", "--batch", "--forward", "--fuzz=5", "-p1", "-i"])
+
+
+def _ungraded(reason: str) -> Grade:
+    return Grade(reward=0.0, resolved=False, reason=reason, report=None)
+
+
+def grade(task: dict, patch: str, *, timeout: float, log_dir: Path) -> Grade:
+    """Grade ``patch`` on ``task`` with the local runner; logs go to ``log_dir``. Never raises for bad input."""
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / "eval.log"
+    (log_dir / "report.json").unlink(missing_ok=True)
+    if not patch.strip():
+        log.write_text("empty patch: nothing to grade\n")
+        return _ungraded("empty_patch")
+    try:
+        task = validate(task, "task")
+        spec = make_test_spec(task)
+        with tempfile.TemporaryDirectory(prefix="polar-grade-", ignore_cleanup_errors=True) as tmp:
+            return _grade_in(Path(tmp), task, spec, patch, timeout, log_dir)
+    except Exception as e:  # one broken session must not stop the run; the log keeps what happened
+        with log.open("a") as f:
+            f.write(f"\neval_error: {type(e).__name__}: {e}\n")
+            if not isinstance(e, TaskError):
+                f.write(traceback.format_exc())
+        return _ungraded("eval_error")
+
+
+def _grade_in(tmp: Path, task: dict, spec: TestSpec, patch: str, timeout: float, log_dir: Path) -> Grade:
+    log = log_dir / "eval.log"
+    (log_dir / "patch.diff").write_text(patch)
+    (log_dir / "eval.sh").write_text(spec.eval_script)
+    repo = checkout(task, tmp / "repo")
+    env = sandbox_env(tmp / "home")
+    applied, apply_output = apply_patch(repo, log_dir / "patch.diff", env)
+    # swebench's harness logs the same markers; grading refuses a log with the failure marker.
+    log.write_text(f"{APPLY_PATCH_PASS if applied else APPLY_PATCH_FAIL}:\n{apply_output}\n")
+    if not applied:
+        return _ungraded("patch_failed")
+    if run_script(log_dir / "eval.sh", repo, env, timeout, log):
+        with log.open("a") as f:
+            f.write(f"\n{TESTS_TIMEOUT}: {timeout:g} seconds exceeded\n")
+        return _ungraded("tests_timed_out")
+    prediction = {"instance_id": task["instance_id"], "model_name_or_path": "polar", "model_patch": patch}
+    report = get_eval_report(spec, prediction, str(log), include_tests_status=True)
+    (log_dir / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    entry = report[task["instance_id"]]
+    if not entry["patch_successfully_applied"]:
+        with log.open("a") as f:
+            f.write("\neval_error: swebench refused the log (markers missing, or exit code contradicts results)\n")
+    return _graded(entry)
+
+
+def _graded(entry: dict) -> Grade:
+    """The grade of swebench's report for one instance."""
+    if not entry["patch_successfully_applied"]:  # swebench found no test output it trusts in the log
+        return Grade(reward=0.0, resolved=False, reason="eval_error", report=entry)
+    return Grade(reward=float(entry["resolved"]), resolved=bool(entry["resolved"]), reason="graded", report=entry)
+
+
+def sandbox_env(home: Path) -> dict[str, str]:
+    """A scrubbed environment: nothing of the caller's but PATH, the grader's virtualenv first."""
+    home.mkdir(parents=True, exist_ok=True)
+    return {
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", os.defpath)]),
+        "PYTHON": sys.executable,  # the eval script runs "${PYTHON:-python}" -m pytest
+        "HOME": str(home),
+        "TMPDIR": str(home),
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        # The grader's own pytest plugins (pytest-timeout, ...) are not part of a task's environment.
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+        "GIT_CONFIG_GLOBAL": GIT_ENV["GIT_CONFIG_GLOBAL"],
+        "GIT_CONFIG_NOSYSTEM": GIT_ENV["GIT_CONFIG_NOSYSTEM"],
+    }
+
+
+def apply_patch(repo: Path, patch_file: Path, env: dict[str, str]) -> tuple[bool, str]:
+    """Apply with ``git apply``, else ``patch --fuzz`` on a clean tree; (applied, what the tools printed)."""
+    output = []
+    for attempt, command in enumerate(APPLY_COMMANDS):
+        if attempt:  # a failed attempt can leave half-applied files behind
+            subprocess.run(["git", "checkout", "--", "."], cwd=repo, env=env, capture_output=True, check=False)
+            subprocess.run(["git", "clean", "-fdq"], cwd=repo, env=env, capture_output=True, check=False)
+        argv = [*command, str(patch_file)]
+        if shutil.which(argv[0], path=env["PATH"]) is None:
+            output.append(f"$ {shlex.join(argv)}\n{argv[0]} is not on PATH")
+            continue
+        done = subprocess.run(
+            argv, cwd=repo, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120, check=False
+        )
+        output.append(f"$ {shlex.join(argv)}\n{done.stdout}{done.stderr}")
+        if done.returncode == 0:
+            return True, "\n".join(output)
+    return False, "\n".join(output)
+
+
+def run_script(script: Path, repo: Path, env: dict[str, str], timeout: float, log: Path) -> bool:
+    """Run ``bash script`` in ``repo``, output appended to ``log``; True when it was killed at the timeout."""
+    with log.open("a") as out:
+        proc = subprocess.Popen(
+            ["bash", str(script)], cwd=repo, env=env, stdin=subprocess.DEVNULL, stdout=out,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        try:
+            proc.wait(timeout=timeout)
+            return False
+        except subprocess.TimeoutExpired:
+            return True
+        finally:
+            # The whole group: pytest and anything a patch started in the background.
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
+def grade_docker(
+    task: dict, patch: str, *, timeout: float, log_dir: Path, session_id: str, client: DockerClient, run_id: str
+) -> Grade:
+    """Grade with swebench's ``run_instance`` in the instance's container; its logs are copied to ``log_dir``."""
+    from swebench.harness.constants import LOG_INSTANCE, LOG_REPORT, LOG_TEST_OUTPUT, RUN_EVALUATION_LOG_DIR
+    from swebench.harness.run_evaluation import run_instance
+
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    # swebench keys its log folder by model name (with "/" as "__"): the session id keeps sessions apart.
+    name = session_id.replace("/", "__")
+    try:
+        spec = make_test_spec(validate(task, "task"))
+        result = run_instance(spec, {"instance_id": spec.instance_id, "model_name_or_path": name,
+                                     "model_patch": patch}, client, run_id, int(timeout))  # fmt: skip
+    except Exception as e:  # a broken instance or a container failure costs this session only
+        (log_dir / "eval.log").write_text(f"eval_error: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+        return _ungraded("eval_error")
+    swebench_dir = RUN_EVALUATION_LOG_DIR / run_id / name / spec.instance_id
+    copies = ((LOG_TEST_OUTPUT, "eval.log"), (LOG_INSTANCE, "run_instance.log"), (LOG_REPORT, "report.json"))
+    for source, target in copies:
+        if (swebench_dir / source).exists():
+            shutil.copyfile(swebench_dir / source, log_dir / target)
+    if result is None:
+        instance_log = (swebench_dir / LOG_INSTANCE).read_text() if (swebench_dir / LOG_INSTANCE).exists() else ""
+        if APPLY_PATCH_FAIL in instance_log:
+            return _ungraded("patch_failed")
+        return _ungraded("tests_timed_out" if "Test timed out" in instance_log else "eval_error")
+    return _graded(result[1][spec.instance_id])
+
+
+def load_jobs(args: Args) -> tuple[Path, dict[str, dict], list[Job]]:
+    """(run folder to write, tasks by instance_id, rows to grade) from RUN_DIR or --predictions/--gold."""
+    if args.run_dir is not None:
+        tasks = load_tasks(args.run_dir / TASKS, check=False)
+        sessions = read_sessions(args.run_dir)
+        jobs = [
+            Job(row["session_id"], row["task_id"], row["sample_id"], row["harness"], row["patch"] or "",
+                row["status"] in HARNESS_FAILED)
+            for row in sessions.iter_rows(named=True)
+        ]  # fmt: skip
+        return args.run_dir, {t["instance_id"]: t for t in tasks}, jobs
+    assert args.tasks is not None and args.out is not None  # __post_init__
+    if args.gold:
+        tasks = load_tasks(args.tasks, check=False)
+        predictions = [{"instance_id": t["instance_id"], "model_name_or_path": "gold", "model_patch": t["patch"]}
+                       for t in tasks]  # fmt: skip
+    else:
+        predictions = read_predictions(args.predictions)
+        tasks = load_tasks(args.tasks, sorted({p["instance_id"] for p in predictions}), check=False)
+    save_tasks(tasks, args.out / TASKS)  # makes --out a run folder that join and report can read
+    jobs = [
+        Job(f"{p['model_name_or_path']}/{p['instance_id']}", p["instance_id"], 0, None, p["model_patch"] or "", False)
+        for p in predictions
+    ]
+    return args.out, {t["instance_id"]: t for t in tasks}, jobs
+
+
+def read_predictions(path: Path) -> list[dict]:
+    """swebench's predictions JSONL; ValueError naming the line and the missing key."""
+    predictions = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        prediction = json.loads(line)
+        missing = [k for k in ("instance_id", "model_name_or_path", "model_patch") if k not in prediction]
+        if missing:
+            raise ValueError(f"{path}:{number}: prediction lacks {missing}")
+        predictions.append(prediction)
+    return predictions
+
+
+def main(args: Args) -> int:
+    try:
+        out_dir, tasks, jobs = load_jobs(args)
+    except (TaskError, ValueError, OSError) as e:
+        print(f"python -m eval score: {e}", file=sys.stderr)
+        return 2
+    if args.runner == "docker":
+        import docker
+
+        try:
+            client = docker.from_env()
+        except docker.errors.DockerException as e:
+            print(
+                "python -m eval score: --runner docker needs a running Docker daemon and none answered "
+                f"({str(e).splitlines()[0][:200]}). Grade with --runner local, or start Docker.",
+                file=sys.stderr,
+            )
+            return 1
+
+        def run(job: Job, task: dict, log_dir: Path) -> Grade:
+            return grade_docker(task, job.patch, timeout=args.timeout, log_dir=log_dir, session_id=job.session_id,
+                                client=client, run_id=out_dir.name)  # fmt: skip
+    else:
+
+        def run(job: Job, task: dict, log_dir: Path) -> Grade:
+            return grade(task, job.patch, timeout=args.timeout, log_dir=log_dir)
+
+    def score(job: Job) -> Grade:
+        log_dir = out_dir / LOGS / job.session_id
+        task = tasks.get(job.task_id)
+        if task is None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            (log_dir / "eval.log").write_text(f"eval_error: task {job.task_id!r} is not in {out_dir / TASKS}\n")
+            return _ungraded("eval_error")
+        if not job.patch.strip():  # before either runner: there is nothing to run
+            log_dir.mkdir(parents=True, exist_ok=True)
+            reason = "session_failed" if job.harness_failed else "empty_patch"
+            (log_dir / "eval.log").write_text(f"{reason}: no patch to grade\n")
+            (log_dir / "report.json").unlink(missing_ok=True)
+            return _ungraded(reason)
+        return run(job, task, log_dir)
+
+    jobs = sorted(jobs, key=lambda job: job.session_id)
+    grades: list[Grade] = []
+    with ThreadPoolExecutor(max_workers=min(args.concurrency, max(len(jobs), 1))) as pool, tqdm(
+        total=len(jobs), desc="grading", unit="session"
+    ) as progress:
+        for result in pool.map(score, jobs):
+            grades.append(result)
+            progress.update()
+            errors = sum(g.reason == "eval_error" for g in grades)
+            progress.set_postfix(resolved=sum(g.resolved for g in grades), errors=errors)
+    rows = [
+        {"session_id": job.session_id, "task_id": job.task_id, "sample_id": job.sample_id, "harness": job.harness,
+         "reward": g.reward, "resolved": g.resolved, "reason": g.reason,
+         "report": None if g.report is None else json.dumps(g.report, sort_keys=True)}
+        for job, g in zip(jobs, grades)
+    ]  # fmt: skip
+    path = write_rewards(pl.DataFrame(rows, schema=REWARDS_SCHEMA), out_dir)
+    reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(Counter(g.reason for g in grades).items()))
+    print(f"resolved {sum(g.resolved for g in grades)}/{len(grades)} ({reasons}) -> {path}")
+    return 0

@@ -1,0 +1,234 @@
+"""SWE-bench-style tasks for ``python -m eval``: the shipped toy suite, local instance files, and checkouts.
+
+    from eval.tasks import load_tasks, checkout
+    tasks = load_tasks("toy")                                    # the shipped suite, eval/toy/<name>/
+    tasks = load_tasks("runs/r1/tasks.jsonl", ["polar-toy__pager-1"])  # or .json / .parquet / a hub dataset
+    repo = checkout(tasks[0], Path("/tmp/ws"))                   # git working tree at base_commit
+
+Instances have the SWE-bench 5.x shape: the ``SWEbenchInstance`` fields plus what ``make_test_spec`` needs
+(``image, log_parser, eval_type, eval_script``). Every spec goes through swebench's own
+``load_swebench_dataset``; ``"toy"`` is first written to a temporary JSONL for it.
+
+The toy suite: each ``eval/toy/<name>/`` holds ``repo/`` (the repository at ``base_commit``, as plain files),
+``gold.patch`` (the reference fix), ``test.patch`` (the tests that check it) and ``task.json`` (issue text,
+hints, ``FAIL_TO_PASS``/``PASS_TO_PASS``, ``base_commit``). ``checkout`` commits ``repo/`` with a fixed author,
+committer, dates and no user or system git config, so the commit hash is the same everywhere and equals the
+stored ``base_commit``. Its eval script runs pytest with ``"${PYTHON:-python}"``: the caller exports
+``PYTHON`` (eval/score.py exports the interpreter it runs under), inside an image plain ``python`` is used.
+
+Other repositories are cloned from ``$POLAR_REPOS/<owner>__<name>.git`` (a bare or normal clone, e.g.
+``git clone --mirror https://github.com/astropy/astropy $POLAR_REPOS/astropy__astropy.git``), else from
+``https://github.com/<owner>/<name>`` when GitHub is reachable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from swebench.harness.constants import END_TEST_OUTPUT, START_TEST_OUTPUT, EvalType
+from swebench.harness.log_parsers import PARSER_REGISTRY
+from swebench.harness.utils import load_swebench_dataset
+from unidiff import PatchSet
+
+__all__ = ["TOY_DIR", "TOY_REPO_OWNER", "TaskError", "checkout", "load_tasks", "save_tasks", "toy_instances"]
+
+TOY_DIR = Path(__file__).resolve().parent / "toy"
+TOY_REPO_OWNER = "polar-toy"  # toy instances have repo "polar-toy/<name>", instance_id "polar-toy__<name>-1"
+
+# SWEbenchInstance's fields, then what swebench 5.x make_test_spec reads.
+REQUIRED_FIELDS = (
+    "instance_id", "repo", "base_commit", "patch", "test_patch", "problem_statement", "hints_text",
+    "created_at", "version", "FAIL_TO_PASS", "PASS_TO_PASS", "environment_setup_commit",
+    "image", "log_parser", "eval_type", "eval_script",
+)  # fmt: skip
+TEST_LISTS = ("FAIL_TO_PASS", "PASS_TO_PASS")
+
+# A fixed identity and clock and no user/system config: the same files always give the same commit hash.
+GIT_ENV = {
+    "GIT_CONFIG_GLOBAL": os.devnull,
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "GIT_AUTHOR_NAME": "polar-rl toy suite",
+    "GIT_AUTHOR_EMAIL": "toy@polar-rl.invalid",
+    "GIT_AUTHOR_DATE": "2024-01-01T00:00:00+00:00",
+    "GIT_COMMITTER_NAME": "polar-rl toy suite",
+    "GIT_COMMITTER_EMAIL": "toy@polar-rl.invalid",
+    "GIT_COMMITTER_DATE": "2024-01-01T00:00:00+00:00",
+}
+HEREDOC = "EOF_POLAR_TEST_PATCH"
+
+
+class TaskError(ValueError):
+    """A task that cannot be loaded or checked out; the message names the file or instance and the field."""
+
+
+def load_tasks(spec: str | Path, instance_ids: Sequence[str] | None = None, *, check: bool = True) -> list[dict]:
+    """Instances of ``spec`` (``"toy"``, a .json/.jsonl/.parquet file, or a hub dataset name), validated, with
+    FAIL_TO_PASS/PASS_TO_PASS as lists; only ``instance_ids`` when given (all of them must exist).
+    ``check=False`` returns them as loaded, for callers that check each one alone (``grade`` scores a broken
+    instance ``eval_error`` instead of refusing the whole run)."""
+    if str(spec) == "toy":
+        with tempfile.TemporaryDirectory(prefix="polar-toy-") as tmp:
+            return _load(save_tasks(toy_instances(), Path(tmp) / "toy.jsonl"), instance_ids, "toy", check)
+    return _load(spec, instance_ids, str(spec), check)
+
+
+def _load(spec: str | Path, instance_ids: Sequence[str] | None, source: str, check: bool) -> list[dict]:
+    try:
+        instances = load_swebench_dataset(str(spec), instance_ids=list(instance_ids) if instance_ids else None)
+    except Exception as e:  # the loader raises anything from FileNotFoundError to hub connection errors
+        raise TaskError(
+            f"{source}: cannot load tasks ({type(e).__name__}: {e}); expected 'toy', a .json/.jsonl/.parquet "
+            "file of SWE-bench instances, or a dataset name reachable on the Hugging Face hub"
+        ) from e
+    return [validate(dict(instance), source) if check else dict(instance) for instance in instances]
+
+
+def validate(instance: dict, source: str) -> dict:
+    """``instance`` with its test lists as lists; TaskError naming ``source``, the instance and the field."""
+    name = f"{source}: instance {instance.get('instance_id', '<no instance_id>')!r}"
+    missing = [field for field in REQUIRED_FIELDS if instance.get(field) is None]
+    if missing:
+        raise TaskError(f"{name}: missing field(s) {missing}; a SWE-bench 5.x instance needs {list(REQUIRED_FIELDS)}")
+    out = dict(instance)
+    for field in TEST_LISTS:
+        value = instance[field]
+        try:
+            value = json.loads(value) if isinstance(value, str) else list(value)
+        except (json.JSONDecodeError, TypeError) as e:
+            raise TaskError(f"{name}: {field} must be a list of test ids or its JSON text: {e}") from e
+        if not all(isinstance(test, str) for test in value):
+            raise TaskError(f"{name}: {field} must be a list of test id strings, got {value!r}")
+        out[field] = value
+    if instance["log_parser"] not in PARSER_REGISTRY:
+        raise TaskError(f"{name}: log_parser {instance['log_parser']!r} is not a swebench parser name")
+    if instance["eval_type"] not in {t.value for t in EvalType}:
+        raise TaskError(f"{name}: eval_type {instance['eval_type']!r}, expected one of {[t.value for t in EvalType]}")
+    return out
+
+
+def save_tasks(tasks: Iterable[dict], path: Path) -> Path:
+    """Write instances as JSON lines (the run folder's tasks.jsonl); ``load_tasks(path)`` reads them back."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(task, ensure_ascii=False) + "\n" for task in tasks))
+    return path
+
+
+def toy_instances() -> list[dict]:
+    """The shipped suite as SWE-bench 5.x instances, sorted by instance_id."""
+    instances = [toy_instance(folder) for folder in TOY_DIR.iterdir() if folder.is_dir()]
+    return sorted(instances, key=lambda t: t["instance_id"])
+
+
+def toy_instance(folder: Path) -> dict:
+    meta = json.loads((folder / "task.json").read_text())
+    test_patch = (folder / "test.patch").read_text()
+    instance = {
+        "instance_id": meta["instance_id"],
+        "repo": f"{TOY_REPO_OWNER}/{folder.name}",
+        "base_commit": meta["base_commit"],
+        "patch": (folder / "gold.patch").read_text(),
+        "test_patch": test_patch,
+        "problem_statement": meta["problem_statement"],
+        "hints_text": meta["hints_text"],
+        "created_at": meta["created_at"],
+        "version": meta["version"],
+        "FAIL_TO_PASS": meta["FAIL_TO_PASS"],
+        "PASS_TO_PASS": meta["PASS_TO_PASS"],
+        "environment_setup_commit": meta["base_commit"],
+        # make_test_spec requires an image name; none is built for toy tasks (the local runner needs none).
+        "image": f"{TOY_REPO_OWNER}/{folder.name}:unbuilt",
+        "log_parser": "parse_log_pytest",
+        "eval_type": EvalType.PASS_AND_FAIL.value,
+        "eval_script": eval_script(meta["base_commit"], test_patch),
+    }
+    return validate(instance, str(folder / "task.json"))
+
+
+def eval_script(base_commit: str, test_patch: str) -> str:
+    """The swebench-style eval script, run from the repository root: reset the test files, apply the test
+    patch, run pytest on them between the start/end markers (``-rA``: one status line per test for
+    ``parse_log_pytest``), reset them again."""
+    files = PatchSet(test_patch)
+    existing = [f.path for f in files if not f.is_added_file]
+    added = [f.path for f in files if f.is_added_file]
+    reset = [f"git checkout {base_commit} -- {shlex.join(existing)}"] if existing else []
+    reset += [f"rm -f {shlex.join(added)}"] if added else []
+    test_files = [f.path for f in files if f.path.endswith(".py") and not f.is_removed_file]
+    return "\n".join([
+        "#!/bin/bash",
+        "set -uxo pipefail",
+        *reset,
+        f"git apply -v - <<'{HEREDOC}'\n{test_patch.rstrip(chr(10))}\n{HEREDOC}",
+        f": '{START_TEST_OUTPUT}'",
+        f'"${{PYTHON:-python}}" -m pytest -rA -p no:cacheprovider {shlex.join(test_files)}',
+        f": '{END_TEST_OUTPUT}'",
+        *reset,
+    ]) + "\n"  # fmt: skip
+
+
+def checkout(task: dict, dest: Path) -> Path:
+    """A git working tree of the task's repository at ``base_commit`` in ``dest`` (absent or empty)."""
+    dest = Path(dest)
+    if dest.exists() and any(dest.iterdir()):
+        raise TaskError(f"{dest}: checkout destination is not empty")
+    iid = task.get("instance_id")
+    repo, base = task.get("repo"), task.get("base_commit")
+    if not repo or not base:
+        raise TaskError(f"instance {iid!r}: checkout needs the fields 'repo' and 'base_commit'")
+    owner, _, name = repo.partition("/")
+    if owner == TOY_REPO_OWNER:
+        _build_toy(name, dest, iid)
+    else:
+        _clone(repo, dest, iid)
+        _git(["-c", "advice.detachedHead=false", "checkout", "-q", base], dest, f"instance {iid!r}: checkout {base}")
+    head = _git(["rev-parse", "HEAD"], dest, "rev-parse").strip()
+    if head != base:
+        raise TaskError(f"instance {iid!r}: checked-out commit {head} differs from base_commit {base}")
+    return dest
+
+
+def _build_toy(name: str, dest: Path, iid: str | None) -> None:
+    source = TOY_DIR / name / "repo"
+    if not source.is_dir():
+        raise TaskError(f"instance {iid!r}: no toy repository at {source}")
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in sorted(source.rglob("*")):
+        relative = path.relative_to(source)
+        # Byte-compiled leftovers of someone running the toy tests in place are not part of the repository.
+        if path.is_dir() or "__pycache__" in relative.parts or ".pytest_cache" in relative.parts:
+            continue
+        (dest / relative).parent.mkdir(parents=True, exist_ok=True)
+        (dest / relative).write_bytes(path.read_bytes())  # fresh files: mode 100644 in git whatever the source's
+    _git(["init", "-q", "-b", "main"], dest, "git init")
+    _git(["add", "-A"], dest, "git add")
+    _git(["commit", "-q", "--no-gpg-sign", "--no-verify", "-m", f"{name}: toy task base"], dest, "git commit")
+
+
+def _clone(repo: str, dest: Path, iid: str | None) -> None:
+    mirrors = os.environ.get("POLAR_REPOS")
+    local = Path(mirrors) / f"{repo.replace('/', '__')}.git" if mirrors else None
+    source = str(local) if local and local.exists() else f"https://github.com/{repo}"
+    try:
+        _git(["clone", "-q", "--no-checkout", source, str(dest)], Path.cwd(), f"clone {source}")
+    except TaskError as e:
+        where = f"$POLAR_REPOS/{repo.replace('/', '__')}.git" + ("" if mirrors else " (POLAR_REPOS is not set)")
+        raise TaskError(f"instance {iid!r}: cannot get repository {repo}: no mirror at {where}, and {e}") from e
+
+
+def _git(args: list[str], cwd: Path, what: str) -> str:
+    if shutil.which("git") is None:
+        raise TaskError("git is not on PATH; tasks are checked out with git")
+    done = subprocess.run(
+        ["git", *args], cwd=cwd, env={**os.environ, **GIT_ENV}, capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        raise TaskError(f"{what} failed in {cwd} (git exit {done.returncode}): {done.stderr.strip()[-500:]}")
+    return done.stdout

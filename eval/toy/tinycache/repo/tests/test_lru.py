@@ -1,0 +1,31 @@
+import pytest
+
+from tinycache import LRUCache, memoize
+
+
+def test_put_and_get():
+    cache = LRUCache(2)
+    cache.put("a", 1)
+    assert cache.get("a") == 1
+    assert cache.get("missing", 0) == 0
+
+
+def test_evicts_oldest_insert():
+    cache = LRUCache(2)
+    for key in "abc":
+        cache.put(key, key.upper())
+    assert "a" not in cache and len(cache) == 2
+
+
+def test_put_refreshes_recency():
+    cache = LRUCache(2)
+    cache.put("a", 1)
+    cache.put("b", 2)
+    cache.put("a", 10)
+    cache.put("c", 3)
+    assert "a" in cache and "b" not in cache
+
+
+def test_capacity_must_be_positive():
+    with pytest.raises(ValueError):
+        LRUCache(0)
