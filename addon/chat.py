@@ -68,15 +68,16 @@ def splice(raw: bytes, body: dict[str, Any], added: dict[str, Any]) -> tuple[byt
     """The upstream body: the client's ``raw`` JSON with ``added`` fields, and whether it is a pure addition.
 
     New fields are spliced in after the opening brace, so a 100 KB prompt is not re-serialised.
-    A nested field inside an object the client sent (its own ``stream_options``) forces a full
-    re-dump; the record then stores the whole upstream body.
+    A nested field inside an object the client sent (its own ``stream_options``), or a new value
+    for a field it sent (a Responses ``include`` list extended), forces a full re-dump; the record
+    then stores the whole upstream body.
     """
     new: dict[str, Any] = {}
     for dotted, value in added.items():
         parent, _, leaf = dotted.rpartition(".")
-        if not parent:
+        if not parent and dotted not in body:
             new[dotted] = value
-        elif parent not in body:
+        elif parent and parent not in body:
             new.setdefault(parent, {})[leaf] = value
         else:
             return json.dumps(merge_fields(body, added), ensure_ascii=False).encode("utf-8"), False

@@ -34,7 +34,7 @@ if __package__ in (None, "", "__mitmproxy_script__"):
     # `mitmdump -s addon/polar.py` loads this file as a loose script: make its package importable.
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from addon import chat, native, proxy_errors, reroute, session, translating  # noqa: E402
+from addon import chat, native, proxy_errors, reroute, responses, session, translating  # noqa: E402
 from addon.record import Body, Exchange  # noqa: E402
 from addon.writer import CaptureWriter  # noqa: E402
 
@@ -249,8 +249,8 @@ class Polar:
         body = ex.request.value
         if ex.api in translating.NATIVE and self.translate and not to_provider and flow.request.method == "POST":
             translating.translate_request(flow, ex, headers, self.native_options)
-        elif ex.api == "chat" and isinstance(body, dict):
-            added = chat.token_fields(body, upstream)
+        elif isinstance(body, dict) and (ex.api == "chat" or (ex.api == "responses" and upstream == "vllm")):
+            added = chat.token_fields(body, upstream) if ex.api == "chat" else responses.vllm_token_fields(body)
             if added:
                 sent, pure_addition = chat.splice(data, body, added)
                 flow.request.content = sent

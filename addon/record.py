@@ -38,6 +38,10 @@ field                  meaning
 ``request_raw``        null, or the body when it is not JSON: ``{"text": str}`` or ``{"base64": str}``
 ``injected``           fields the addon added to the body sent upstream, dotted keys for nested
                        ones (``stream_options.include_usage``); ``{}`` when none
+``translated``         true when a native call (anthropic | responses | google) went upstream as
+                       Chat Completions (then ``upstream_request`` is that body and ``response_body``
+                       the upstream's chat answer); false otherwise. Records written before this
+                       field existed lack it: readers then look at ``upstream_request`` itself
 ``upstream_request``   the body sent upstream when it differs from ``request`` in more than the
                        ``injected`` keys (null otherwise: then it is ``request`` with ``injected``
                        merged in, see :func:`upstream_body`)
@@ -129,6 +133,7 @@ class Exchange:
     request: Body = field(default_factory=Body)
     injected: dict[str, Any] = field(default_factory=dict)
     upstream_request: Body | None = None
+    translated: bool = False  # the native request went upstream as Chat Completions
     status: int | None = None
     streamed: bool = False
     response_headers: dict[str, str] | None = None
@@ -179,6 +184,7 @@ def encode(ex: Exchange, decode_content: Any) -> bytes:
         "request_headers": ex.request_headers,
         "response_headers": ex.response_headers,
         "injected": ex.injected,
+        "translated": ex.translated,
         "chunks": [[round((t - ex.t_start) * 1000, 3), len(c)] for t, c in zip(ex.chunk_times, ex.chunks)],
         "request_raw": ex.request.raw,
         "response_b64": response_b64,

@@ -43,6 +43,25 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text")
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
 LOCAL_SHELL = "local_shell"  # the chat tool name a local_shell_call is rendered under
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+
+
+def vllm_token_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """Fields that make vLLM's own /v1/responses return token ids, for a Responses call passed through untranslated
+    (``polar_translate=never``): ``enable_response_messages`` puts the prompt's and the sampled token ids on the
+    final response object (vLLM refuses it for background requests), the ``include`` entry the log-probs of its
+    output text. Only what the client did not set itself; ``include`` is extended, not replaced."""
+    if body.get("background") is True:
+        return {}
+    added: dict[str, Any] = {}
+    if "enable_response_messages" not in body:
+        added["enable_response_messages"] = True
+    include = body.get("include")
+    if include is None or (isinstance(include, list) and OUTPUT_LOGPROBS not in include):
+        added["include"] = [*(include or []), OUTPUT_LOGPROBS]
+    if "top_logprobs" not in body:
+        added["top_logprobs"] = 0
+    return added
 
 
 def start(body: dict[str, Any], path: str, headers: dict[str, str], options: native.Options) -> Translation:

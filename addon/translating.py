@@ -84,6 +84,7 @@ def translate_request(
     flow.request.content = json.dumps(sent, ensure_ascii=False).encode("utf-8")
     ex.injected = added
     ex.upstream_request = Body(value=sent)
+    ex.translated = True
     flow.metadata[TRANSLATION_KEY] = started
 
 

@@ -2,7 +2,8 @@
 
     python -m eval.serve --model models/tiny --port 8000 [--host 127.0.0.1] [--script turns.json] [--seed 0]
 
-Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions`` (streamed or not). Beyond OpenAI's
+Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions`` (streamed or not), and ``POST
+/v1/responses`` shaped like vLLM's (see ``ResponsesCall``). Beyond OpenAI's
 fields it honours vLLM's ``return_token_ids``, ``logprobs`` and ``top_logprobs`` and answers with vLLM's extra
 fields (``prompt_token_ids``, ``choices[0].token_ids``, and per streamed chunk the ``token_ids`` and ``logprobs``
 of that chunk's tokens), because the capture proxy in front of it relies on them. Log-probs are vLLM's default
@@ -31,6 +32,7 @@ from typing import Any
 import jinja2
 import tyro
 
+from addon import native, responses
 from eval.engine import Engine, Piece, Sampling, generate
 from eval.script import Script
 from eval.toolparse import Content, Reasoning, ToolCall
@@ -318,6 +320,61 @@ def stream_chunks(req: ChatRequest, prompt_ids: list[int], pieces: Iterator[Piec
         yield {**head, "choices": [], "usage": _usage(len(prompt_ids), n_tokens)}
 
 
+class ResponsesCall:
+    """vLLM's own ``/v1/responses`` on top of the chat path: the request and answer mapped by the capture addon's
+    Responses translator (what vLLM's does, for this purpose), plus vLLM's token fields on the final response
+    object: ``enable_response_messages`` adds ``input_messages`` / ``output_messages`` (``raw_message_tokens``:
+    the rendered text and its ids), ``include: ["message.output_text.logprobs"]`` the log-probs of the output
+    text's tokens (tokens of reasoning and tool calls have none in this API)."""
+
+    def __init__(self, body: Any, default_model: str) -> None:
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        try:
+            self.translation = responses.start(body, "/v1/responses", {}, native.Options(model="", upstream="vllm"))
+        except native.BadRequest as e:
+            raise BadRequest(str(e)) from e
+        chat = {**self.translation.chat_body, "return_token_ids": True, "logprobs": True, "top_logprobs": 0}
+        if chat.get("stream") is True:
+            chat["stream_options"] = {"include_usage": True}
+        self.chat = parse_request(chat, default_model)
+        self.messages = body.get("enable_response_messages") is True
+        self.logprobs = responses.OUTPUT_LOGPROBS in (body.get("include") or [])
+        self.pieces: list[Piece] = []
+
+    def tap(self, pieces: Iterator[Piece]) -> Iterator[Piece]:
+        for piece in pieces:
+            self.pieces.append(piece)
+            yield piece
+
+    def finish(self, response: dict[str, Any], prompt_ids: list[int], decode: Any) -> dict[str, Any]:
+        """The final response object with vLLM's token fields."""
+        sampled = [p.token_id for p in self.pieces]
+        if self.messages:
+            response["input_messages"] = [{"type": "raw_message_tokens", "message": decode(prompt_ids), "tokens": prompt_ids}]
+            response["output_messages"] = [{"type": "raw_message_tokens", "message": decode(sampled), "tokens": sampled}]
+        if self.logprobs:
+            text = [p.logprob for p in self.pieces if p.logprob and any(isinstance(e, Content) for e in p.events)]
+            for item in response.get("output") or []:
+                for part in item.get("content") or [] if item.get("type") == "message" else []:
+                    part["logprobs"] = text
+        return response
+
+    def events(self, prompt_ids: list[int], pieces: Iterator[Piece], decode: Any) -> Iterator[bytes]:
+        """The SSE bytes of a streamed answer; the final event carries the token fields."""
+        for chunk in stream_chunks(self.chat, prompt_ids, self.tap(pieces)):
+            if out := self.translation.events(chunk):
+                yield out
+        for raw in self.translation.finish(True).split(b"\n\n"):
+            name, _, data = raw.partition(b"\ndata: ")
+            if name in (b"event: response.completed", b"event: response.incomplete"):
+                event = json.loads(data)
+                event["response"] = self.finish(event["response"], prompt_ids, decode)
+                raw = name + b"\ndata: " + json.dumps(event, ensure_ascii=False).encode()
+            if raw:
+                yield raw + b"\n\n"
+
+
 def _error(status: int, message: str) -> dict[str, Any]:
     kind = {404: "not_found_error", 500: "internal_server_error"}[status]
     return {"error": {"message": message, "type": kind, "param": None, "code": None}}
@@ -347,14 +404,18 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         path = self.path.partition("?")[0]
-        if path != "/v1/chat/completions":
+        if path not in ("/v1/chat/completions", "/v1/responses"):
             self.close_connection = True  # its body is left unread, so the connection cannot carry another request
             self._send_json(404, _error(404, f"no route POST {path}"))
             return
         self._response_started = False
+        session = self.headers.get("x-polar-session", "default")
         try:
+            if path == "/v1/responses":
+                self._responses(ResponsesCall(self._read_json(), self.server.model_name), session)
+                return
             req = parse_request(self._read_json(), self.server.model_name)
-            prompt_ids, sampling, forced = self.server.prepare(req, self.headers.get("x-polar-session", "default"))
+            prompt_ids, sampling, forced = self.server.prepare(req, session)
             pieces = generate(self.server.engine, prompt_ids, sampling, forced)
             if req.stream:
                 self._stream(stream_chunks(req, prompt_ids, pieces))
@@ -370,6 +431,23 @@ class Handler(BaseHTTPRequestHandler):
                 self.close_connection = True
             else:
                 self._send_json(500, _error(500, f"{type(e).__name__}: {e}"))
+
+    def _responses(self, call: ResponsesCall, session: str) -> None:
+        prompt_ids, sampling, forced = self.server.prepare(call.chat, session)
+        pieces = generate(self.server.engine, prompt_ids, sampling, forced)
+        decode = self.server.engine.tokenizer.decode
+        if not call.translation.stream:
+            answer = call.translation.answer(completion_body(call.chat, prompt_ids, call.tap(pieces)))
+            self._send_json(200, call.finish(answer, prompt_ids, decode))
+            return
+        self._response_started = True
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for data in call.events(prompt_ids, pieces, decode):
+            self._write_chunk(data)
+        self.wfile.write(b"0\r\n\r\n")
 
     def _read_json(self) -> Any:
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":

@@ -5,9 +5,10 @@
 - ``chat``: the upstream exchange is Chat Completions (``ChatAssembler``): vLLM or SGLang, streamed or not.
 - ``anthropic``, ``responses``, ``google``: once the addon translates these (issue 3), the record carries the
   Chat Completions exchange it had with the upstream (``upstream_request`` and ``response_body``), and the chat
-  extractor reads it. A record of a native call that was passed through untranslated needs a converter to
-  Chat Completions form for retokenization: ``register_native(api, converter)`` plugs one in, where
-  ``converter(record)`` returns the record rewritten as a chat exchange (or None when it cannot).
+  extractor reads it. A record of a native call that was passed through untranslated goes through a converter
+  to Chat Completions form (reconstruct/_native.py: token ids from vLLM's Responses API, else retokenized);
+  ``register_native(api, converter)`` replaces one, where ``converter(record)`` returns the record rewritten as
+  a chat exchange (or None when it cannot).
 - Records of other paths (``/v1/models``, ``count_tokens``) are not model calls: ``extract`` returns None.
 
 Pure: no I/O (the tokenizer, when given, is already loaded).
@@ -22,6 +23,7 @@ from typing import Any
 from addon.record import upstream_body
 from reconstruct._calls import Call, Completion, Problem, Request
 from reconstruct._chat import ChatAssembler
+from reconstruct import _native
 from reconstruct._io import has_upstream_request
 from reconstruct._errors import RetokenizeError
 from reconstruct._retokenize import Retokenizer
@@ -30,7 +32,7 @@ from reconstruct._tokens import TokenText
 __all__ = ["EXTRACTORS", "NATIVE_CONVERTERS", "check_prompt_count", "extract", "register_native"]
 
 Extractor = Callable[[dict[str, Any], Retokenizer | None], list[Call]]
-NATIVE_CONVERTERS: dict[str, Callable[[dict[str, Any]], dict[str, Any] | None]] = {}
+NATIVE_CONVERTERS: dict[str, Callable[[dict[str, Any]], dict[str, Any] | None]] = dict(_native.CONVERTERS)
 
 # Notes a call can carry, counted in the stats.
 IDS_DISAGREE = "captured ids disagree with usage"  # the upstream dropped ids (vllm#27482): rebuilt or dropped
@@ -51,15 +53,25 @@ def register_native(api: str, converter: Callable[[dict[str, Any]], dict[str, An
 
 
 def extract_translated(record: dict[str, Any], retokenizer: Retokenizer | None) -> list[Call]:
-    # A translated exchange always has its own upstream body (the native request is kept in ``request``);
-    # Anthropic bodies have ``messages`` too, so the request alone proves nothing.
-    if has_upstream_request(record):
+    if _was_translated(record):
         return extract_chat(record, retokenizer)
     converter = NATIVE_CONVERTERS.get(str(record.get("api")))
     converted = converter(record) if converter is not None else None
     if converted is not None:
         return extract_chat(converted, retokenizer)
     return [_failed(record, Problem.NATIVE, f"{record.get('api')} call without a Chat Completions exchange")]
+
+
+def _was_translated(record: dict[str, Any]) -> bool:
+    """Whether the native call went upstream as Chat Completions: the record says so (a head field: no body is
+    parsed); older records tell by their upstream body (Anthropic bodies have ``messages`` too, so the client's
+    request alone proves nothing, and a passed-through call can have an upstream body of its own API)."""
+    if isinstance(record.get("translated"), bool):
+        return record["translated"]
+    if not has_upstream_request(record):
+        return False
+    body = record.get("upstream_request")
+    return isinstance(body, dict) and isinstance(body.get("messages"), list)
 
 
 def extract_chat(record: dict[str, Any], retokenizer: Retokenizer | None) -> list[Call]:

@@ -93,19 +93,22 @@ def test_native_apis_read_their_translated_exchange_or_a_registered_converter(ca
     record = captures.records(S.non_streamed)[0]
     chat_body = record["request"]
     native = {"model": "tiny", "max_tokens": 100, "system": "You are a coding agent.", "messages": []}
-    translated = {**record, "api": "anthropic", "path": "/v1/messages", "request": native, "upstream_request": chat_body}
+    translated = {**record, "api": "anthropic", "path": "/v1/messages", "request": native, "upstream_request": chat_body, "translated": True}
     (c,) = extract(translated, None)
     assert (c.api, c.prompt.ids(), c.output_ids) == ("anthropic", *oracle(record)[:2])
-    untranslated = {**translated, "upstream_request": None, "injected": {}}
+    untranslated = {**translated, "upstream_request": None, "injected": {}, "translated": False}
+    older = {k: v for k, v in translated.items() if k != "translated"}  # written before the field: told by its body
+    assert extract(older, None)[0].output_ids == oracle(record)[1]
     (c,) = extract(untranslated, None)
     assert c.problem == Problem.NATIVE
     assert set(EXTRACTORS) == {"chat", "anthropic", "responses", "google"}
+    shipped = dict(NATIVE_CONVERTERS)
     register_native("anthropic", lambda r: {**r, "upstream_request": chat_body})
     try:
         (c,) = extract(untranslated, None)
         assert c.usable and c.output_ids == oracle(record)[1]
     finally:
-        NATIVE_CONVERTERS.clear()
+        NATIVE_CONVERTERS.update(shipped)
 
 
 def test_a_call_the_template_cannot_render_is_dropped_with_the_reason(captures):
