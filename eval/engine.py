@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ class Sampling:
     logprobs: bool = False
     top_logprobs: int = 0  # -1: the whole vocabulary, as in vLLM
     parse_tools: bool = False  # vLLM parses tool calls only when there are tools and tool_choice is not "none"
+    adapter: str | None = None  # a loaded LoRA adapter's name; None: the base model
 
 
 @dataclasses.dataclass
@@ -73,6 +75,39 @@ class Engine:
         self.eos_ids = eos | {self.tokenizer.eos_token_id}
         self._lock = threading.Lock()
         self._generator = torch.Generator().manual_seed(seed)
+        self.adapters: dict[str, str] = {}  # LoRA adapter name -> the folder it was loaded from
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Load a PEFT LoRA adapter (``train/grpo.py``'s output) under ``name``; requests for model ``name`` use
+        it, others the base model, as vLLM's ``--lora-modules`` and ``/v1/load_lora_adapter`` do."""
+        from peft import PeftModel
+
+        with self._lock, warnings.catch_warnings():
+            # peft reads `is_gradient_checkpointing`, which transformers 5 deprecates with a FutureWarning.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            if not self.adapters:
+                self.model = PeftModel.from_pretrained(self.model, path, adapter_name=name).eval()
+            else:
+                self.model.load_adapter(path, adapter_name=name)
+            self.adapters[name] = path
+
+    def unload_adapter(self, name: str) -> None:
+        with self._lock:
+            if len(self.adapters) == 1:  # the last one: back to the plain base model
+                self.model = self.model.unload()
+            else:
+                self.model.delete_adapter(name)
+            del self.adapters[name]
+
+    def _forward(self, adapter: str | None, **inputs: Any) -> Any:
+        """One forward pass with ``adapter`` active (None: the base model); the caller holds the lock."""
+        if not self.adapters:
+            return self.model(**inputs)
+        if adapter is None:
+            with self.model.disable_adapter():
+                return self.model(**inputs)
+        self.model.set_adapter(adapter)
+        return self.model(**inputs)
 
     def render(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *, generation_prompt: bool
@@ -102,7 +137,7 @@ class Engine:
         while forced is None or i < len(forced):
             with self._lock, torch.inference_mode():
                 # transformers 5.24 renamed past_key_values to cache (the old name warns until 5.40).
-                out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+                out = self._forward(sampling.adapter, input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
                 logits = out.logits[0, -1].float()  # (V,)
                 token = forced[i] if forced is not None else _sample(logits, sampling, generator)
             cache = out.cache

@@ -1,9 +1,11 @@
 """Reference upstream: an OpenAI-compatible chat server on transformers that answers like vLLM, fully offline.
 
     python -m eval.serve --model models/tiny --port 8000 [--host 127.0.0.1] [--script turns.json] [--seed 0]
+        [--lora-modules NAME=DIR ...]
 
 Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions`` (streamed or not), and ``POST
-/v1/responses`` shaped like vLLM's (see ``ResponsesCall``). Beyond OpenAI's
+/v1/responses`` shaped like vLLM's (see ``ResponsesCall``); LoRA adapters as vLLM serves them
+(``--lora-modules NAME=DIR``, ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``). Beyond OpenAI's
 fields it honours vLLM's ``return_token_ids``, ``logprobs`` and ``top_logprobs`` and answers with vLLM's extra
 fields (``prompt_token_ids``, ``choices[0].token_ids``, and per streamed chunk the ``token_ids`` and ``logprobs``
 of that chunk's tokens), because the capture proxy in front of it relies on them. Log-probs are vLLM's default
@@ -56,6 +58,9 @@ class Config:
     """Seeds sampling for requests that carry no ``seed`` of their own."""
     max_tokens: int = 256
     """Completion length, in tokens, when a request sets neither max_tokens nor max_completion_tokens."""
+    lora_modules: tuple[str, ...] = ()
+    """LoRA adapters to serve, as vLLM's flag: NAME=DIR (a PEFT folder, e.g. train/grpo.py's output); a request
+    whose model is NAME uses it. More can be loaded at run time: POST /v1/load_lora_adapter."""
 
 
 class BadRequest(Exception):
@@ -199,6 +204,11 @@ class Server(ThreadingHTTPServer):
         self.model_name = str(config.model)  # vLLM's default served name is its --model argument
         self.default_max_tokens = config.max_tokens
         self.started = int(time.time())
+        for module in config.lora_modules:
+            name, eq, path = module.partition("=")
+            if not (eq and name and Path(path, "adapter_config.json").is_file()):
+                raise SystemExit(f"--lora-modules {module!r}: expected NAME=DIR with DIR/adapter_config.json")
+            self.engine.load_adapter(name, path)
         super().__init__((config.host, config.port), Handler)
 
     def prepare(self, req: ChatRequest, session: str) -> tuple[list[int], Sampling, list[int] | None]:
@@ -219,7 +229,8 @@ class Server(ThreadingHTTPServer):
         forced = None if self.script is None else self._scripted_answer(req, prompt, session)
         # A scripted answer is never cut short by the default; a sampled one from a random model would run on.
         default = room if forced is not None else min(self.default_max_tokens, room)
-        return prompt_ids, Sampling(max_tokens=req.max_tokens or default, **req.sampling), forced
+        adapter = req.model if req.model in self.engine.adapters else None
+        return prompt_ids, Sampling(max_tokens=req.max_tokens or default, adapter=adapter, **req.sampling), forced
 
     def _scripted_answer(self, req: ChatRequest, prompt: str, session: str) -> list[int]:
         """Token ids of the session's next scripted message: the text the template adds after the generation
@@ -398,12 +409,19 @@ class Handler(BaseHTTPRequestHandler):
                 "owned_by": "polar",
                 "max_model_len": self.server.engine.max_len,
             }
-            self._send_json(200, {"object": "list", "data": [model]})
+            adapters = [
+                {**model, "id": name, "root": path, "parent": self.server.model_name}
+                for name, path in self.server.engine.adapters.items()
+            ]
+            self._send_json(200, {"object": "list", "data": [model, *adapters]})
         else:
             self._send_json(404, _error(404, f"no route GET {path}"))
 
     def do_POST(self) -> None:
         path = self.path.partition("?")[0]
+        if path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            self._lora(path)
+            return
         if path not in ("/v1/chat/completions", "/v1/responses"):
             self.close_connection = True  # its body is left unread, so the connection cannot carry another request
             self._send_json(404, _error(404, f"no route POST {path}"))
@@ -431,6 +449,33 @@ class Handler(BaseHTTPRequestHandler):
                 self.close_connection = True
             else:
                 self._send_json(500, _error(500, f"{type(e).__name__}: {e}"))
+
+    def _lora(self, path: str) -> None:
+        """vLLM's runtime LoRA routes: ``{"lora_name": ..., "lora_path": ...}`` loads, ``{"lora_name": ...}``
+        unloads; answered in plain text, as vLLM does."""
+        try:
+            body = self._read_json()
+            name = _get(body, "lora_name", str) if isinstance(body, dict) else None
+            if not name:
+                raise BadRequest("'lora_name' is required", "lora_name")
+            engine = self.server.engine
+            if path.endswith("/unload_lora_adapter"):
+                if name not in engine.adapters:
+                    raise BadRequest(f"The lora adapter '{name}' cannot be found.", "lora_name")
+                engine.unload_adapter(name)
+                message = f"Success: LoRA adapter '{name}' removed successfully."
+            else:
+                folder = _get(body, "lora_path", str)
+                if name in engine.adapters:
+                    raise BadRequest(f"The lora adapter '{name}' has already been loaded.", "lora_name")
+                if not folder or not Path(folder, "adapter_config.json").is_file():
+                    raise BadRequest(f"'lora_path' must be a PEFT adapter folder, not {folder!r}", "lora_path")
+                engine.load_adapter(name, folder)
+                message = f"Success: LoRA adapter '{name}' added successfully."
+        except BadRequest as e:
+            self._send_json(400, e.body())
+            return
+        self._send(200, message.encode(), "text/plain")
 
     def _responses(self, call: ResponsesCall, session: str) -> None:
         prompt_ids, sampling, forced = self.server.prepare(call.chat, session)

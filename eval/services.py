@@ -80,10 +80,14 @@ class Service:
 class ReferenceServer(Service):
     """``python -m eval.serve --model DIR`` (see eval/serve.py)."""
 
-    def __init__(self, model: Path, *, log: Path, script: Path | None = None, seed: int = 0) -> None:
+    def __init__(
+        self, model: Path, *, log: Path, script: Path | None = None, seed: int = 0, lora: dict[str, Path] | None = None
+    ) -> None:
         port = free_port()
         cmd = [sys.executable, "-m", "eval.serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--seed", str(seed)] + (["--script", str(script)] if script else [])
+        if lora:
+            cmd += ["--lora-modules", *(f"{name}={path}" for name, path in lora.items())]
         super().__init__(cmd, port=port, log=log)
 
 

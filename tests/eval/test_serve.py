@@ -290,3 +290,52 @@ def test_chunked_request_body_and_dropped_stream(sampler):
     with httpx.stream("POST", sampler + "/v1/chat/completions", json=long) as r:
         next(r.iter_lines())  # hang up after the first event; the server stops generating and keeps serving
     assert httpx.post(sampler + "/v1/chat/completions", json={"messages": USER, "max_tokens": 1}).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tiny_model_dir, tmp_path_factory):
+    """A LoRA adapter with random (not zero) B matrices, so it changes the model's log-probs."""
+    from peft import LoraConfig, get_peft_model
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, local_files_only=True)
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    folder = tmp_path_factory.mktemp("adapter") / "step-1"
+    get_peft_model(base, config).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # peft reads what transformers 5 renamed
+def test_lora_adapters_serve_as_vllm_does(reference_server, tiny_model_dir, adapter_dir):
+    from peft import PeftModel
+
+    url = reference_server(tiny_model_dir, script=SCRIPT)
+    body = {"messages": USER, "tools": TOOLS, "logprobs": True, **TOKEN_FIELDS}
+
+    def logprobs(model, session):
+        answer = httpx.post(url + "/v1/chat/completions", json={**body, "model": model}, headers={"x-polar-session": session})
+        answer.raise_for_status()
+        choice = answer.json()["choices"][0]
+        return answer.json()["prompt_token_ids"], choice["token_ids"], [e["logprob"] for e in choice["logprobs"]["content"]]
+
+    prompt, ids, base = logprobs("tiny", "base")
+    loaded = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "step-1", "lora_path": str(adapter_dir)})
+    assert loaded.status_code == 200 and "added successfully" in loaded.text
+    assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]][1:] == ["step-1"]
+    _, same_ids, tuned = logprobs("step-1", "tuned")  # the script replays the same answer: same ids
+    _, _, base_again = logprobs("tiny", "base-again")
+    assert same_ids == ids and base_again == pytest.approx(base, abs=1e-5)
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, local_files_only=True), adapter_dir
+    ).eval()
+    with torch.no_grad():
+        logits = peft(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]  # (T, V)
+    expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids)[:, None])[:, 0]  # (T,)
+    assert torch.allclose(torch.tensor(tuned), expected, atol=1e-4)
+    assert not torch.allclose(torch.tensor(tuned), torch.tensor(base), atol=1e-3)
+    again = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "step-1", "lora_path": str(adapter_dir)})
+    assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+    gone = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "step-1"})
+    assert gone.status_code == 200 and len(httpx.get(url + "/v1/models").json()["data"]) == 1
+    bad = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tiny_model_dir)})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
