@@ -2,12 +2,18 @@
 
     python -m eval.harnesses install       # npm install of tests/harness/package.json, once per version set
     python -m eval.harnesses run pi "Fix the bug." --base-url http://127.0.0.1:8080 --session s1 --workspace /tmp/ws
+    python -m eval.harnesses run shell "Fix the bug." --command 'my-agent {instruction}' --base-url URL --session s1
 
 One preset per harness (``codex``, ``claude-code``, ``pi``, ``qwen-code``, ``gemini``) writes that harness's
 config into a fresh HOME, points its base URL at the proxy, and passes the session id as its API key (the addon
-maps the key to the session, see addon/session.py). The environment is built from scratch, so no key, proxy or
-config of the caller's leaks in; telemetry, update checks and other nonessential traffic are off; stdin is
-/dev/null; the whole process group is killed at the timeout. Wiring facts: shared/reference/stack.md §3.
+maps the key to the session, see addon/session.py). Two more need no npm: ``mini``, the small built-in agent of
+eval/mini.py, and ``shell``, any command with ``{instruction}`` replaced by the shell-quoted prompt, which finds
+the proxy and the session in ``OPENAI_BASE_URL``/``OPENAI_API_KEY`` (``.../v1``), ``ANTHROPIC_BASE_URL``/
+``ANTHROPIC_API_KEY``, ``GOOGLE_GEMINI_BASE_URL``/``GEMINI_API_KEY`` and ``POLAR_SESSION_ID``.
+
+The environment is built from scratch, so no key, proxy or config of the caller's leaks in; telemetry, update
+checks and other nonessential traffic are off; stdin is /dev/null; the whole process group is killed at the
+timeout. Wiring facts: shared/reference/stack.md §3.
 """
 
 from __future__ import annotations
@@ -18,9 +24,11 @@ import fcntl
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -29,7 +37,7 @@ from typing import Literal
 
 import tyro
 
-__all__ = ["CACHE", "HARNESSES", "PACKAGE_JSON", "HarnessRun", "NpmMissing", "install", "run_harness"]
+__all__ = ["CACHE", "HARNESSES", "NPM_HARNESSES", "PACKAGE_JSON", "HarnessRun", "NpmMissing", "install", "run_harness"]
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_JSON = ROOT / "tests" / "harness" / "package.json"
@@ -37,7 +45,7 @@ CACHE = ROOT / "tests" / ".cache" / "harness"
 INSTALLED = ".installed"  # written last: its presence means the install finished
 API_KEY_ENV = "POLAR_API_KEY"  # where presets that read the key from a named variable find it
 
-Name = Literal["codex", "claude-code", "pi", "qwen-code", "gemini"]
+Name = Literal["codex", "claude-code", "pi", "qwen-code", "gemini", "mini", "shell"]
 
 
 class NpmMissing(RuntimeError):
@@ -69,6 +77,7 @@ class Setup:
     model: str
     tools: tuple[str, ...] | None  # only these built-in tools; None: the harness's default set
     max_tokens: int | None  # output cap per model call; None: the harness's default
+    command: str | None  # the shell preset's command line, with {instruction} where the prompt goes
 
 
 # A preset writes its config files under setup.home and returns (argv, extra environment).
@@ -194,22 +203,55 @@ def _gemini(s: Setup) -> tuple[list[str], dict[str, str]]:
     return argv, env
 
 
+def _mini(s: Setup) -> tuple[list[str], dict[str, str]]:
+    _refuse("mini", "tools", s.tools)  # its one tool is bash
+    prompt_file = s.home / "prompt.txt"  # a file, not an argument: issue texts can pass the argv size limit
+    _write(prompt_file, s.prompt)
+    # -P: the workspace (the cwd) must not shadow our modules; the venv's editable install finds eval.mini.
+    argv = [sys.executable, "-P", "-m", "eval.mini", "--base-url", s.base_url + "/v1", "--api-key", s.session_id]
+    argv += ["--model", s.model, "--workspace", str(s.workspace), "--prompt-file", str(prompt_file)]
+    if s.max_tokens is not None:
+        argv += ["--max-tokens", str(s.max_tokens)]
+    return argv, {}
+
+
+def _shell(s: Setup) -> tuple[list[str], dict[str, str]]:
+    _refuse("shell", "tools", s.tools)
+    _refuse("shell", "max_tokens", s.max_tokens)
+    if not s.command or "{instruction}" not in s.command:
+        raise ValueError("the shell harness needs a command with {instruction} in it, e.g. 'my-agent -p {instruction}'")
+    env = {
+        "OPENAI_BASE_URL": s.base_url + "/v1",
+        "OPENAI_API_KEY": s.session_id,
+        "ANTHROPIC_BASE_URL": s.base_url,
+        "ANTHROPIC_API_KEY": s.session_id,
+        "GOOGLE_GEMINI_BASE_URL": s.base_url,
+        "GEMINI_API_KEY": s.session_id,
+        "POLAR_SESSION_ID": s.session_id,
+    }
+    return ["bash", "-c", s.command.replace("{instruction}", shlex.quote(s.prompt))], env
+
+
 HARNESSES: dict[str, Preset] = {
     "codex": _codex,
     "claude-code": _claude_code,
     "pi": _pi,
     "qwen-code": _qwen_code,
     "gemini": _gemini,
+    "mini": _mini,
+    "shell": _shell,
 }
+NPM_HARNESSES = frozenset({"codex", "claude-code", "pi", "qwen-code", "gemini"})  # the CLIs that install() brings
 
 
-def _base_env(home: Path, bin_dir: Path) -> dict[str, str]:
+def _base_env(home: Path, bin_dir: Path | None) -> dict[str, str]:
     """A fresh environment: nothing of the caller's (keys, proxies, configs) reaches the harness."""
+    path = os.environ.get("PATH", os.defpath)
     env = {
         "HOME": str(home),
         "USER": os.environ.get("USER", "polar"),
         # Node 22 from the install comes first: the latest Claude Code and Qwen Code need it.
-        "PATH": os.pathsep.join([str(bin_dir), os.environ.get("PATH", os.defpath)]),
+        "PATH": os.pathsep.join([str(bin_dir), path]) if bin_dir else path,
         "LANG": "C.UTF-8",
         "TERM": "xterm-256color",  # "dumb" makes Gemini CLI warn on every run
         "NO_COLOR": "1",
@@ -235,6 +277,7 @@ def run_harness(
     timeout: float = 300.0,
     tools: Sequence[str] | None = None,
     max_tokens: int | None = None,
+    command: str | None = None,
     home: Path | None = None,
     bin_dir: Path | None = None,
 ) -> HarnessRun:
@@ -242,11 +285,13 @@ def run_harness(
 
     ``tools`` keeps only those of the harness's built-in tools (its own names) and ``max_tokens`` caps each call's
     output, for models whose context the full tool list or the default cap would overrun; a harness without such a
-    setting raises ValueError. ``home`` (default: a temporary folder, removed afterwards) receives the harness's
-    config and state; pass one to keep its logs. ``bin_dir`` defaults to the installed CLIs (:func:`install`).
+    setting raises ValueError. ``command`` is the ``shell`` harness's command line. ``home`` (default: a temporary
+    folder, removed afterwards) receives the harness's config and state; pass one to keep its logs. ``bin_dir``
+    defaults to the installed CLIs (:func:`install`), which only the npm harnesses need.
     """
     preset = HARNESSES[harness]
-    bin_dir = bin_dir or install()
+    if harness in NPM_HARNESSES:
+        bin_dir = bin_dir or install()
     with contextlib.ExitStack() as stack:
         if home is None:
             home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"polar-{harness}-home-")))
@@ -260,6 +305,7 @@ def run_harness(
             model=model,
             tools=tuple(tools) if tools is not None else None,
             max_tokens=max_tokens,
+            command=command,
         )
         argv, extra = preset(setup)
         env = _base_env(setup.home, bin_dir) | extra
@@ -367,6 +413,8 @@ class Run:
     """Only these of the harness's built-in tools (its own names); default: all."""
     max_tokens: int | None = None
     """Output tokens per model call; default: the harness's own cap."""
+    command: str | None = None
+    """The shell harness's command line, with {instruction} where the shell-quoted prompt goes."""
     home: Path | None = None
     """Keep the harness's HOME (config, logs) here; default: a temporary folder, removed afterwards."""
 
@@ -385,6 +433,7 @@ def main(command: Install | Run) -> None:
         timeout=command.timeout,
         tools=command.tools,
         max_tokens=command.max_tokens,
+        command=command.command,
         home=command.home,
     )
     print(result.stdout, end="")

@@ -1,0 +1,284 @@
+"""Roll out a harness on tasks x samples through the capture proxy; write the run folder's sessions table.
+
+    python -m eval rollout --tasks toy --harness mini --samples 4 --proxy http://127.0.0.1:8080 --out runs/r1 \\
+        [--model NAME] [--concurrency K] [--timeout S] [--instance-ids ID ...] [--command 'CMD {instruction}']
+
+For every task and sample: a fresh git checkout of the task's repo (eval.tasks.checkout), a session id that is
+unique to this run (``<run>-<nonce>-<instance_id>-<sample>``; it is the API key, so the proxy files every call
+under it), the harness run non-interactively against the proxy in an isolated HOME under a timeout
+(eval/harnesses.py), then the patch it left: ``git add -A`` and ``git diff --cached --binary`` against the base
+commit, without harness and cache folders (HARNESS_FOLDERS). Each session ends with a status: ``ok`` (a patch),
+``no_edit`` (exit 0, no change), ``crashed`` (non-zero exit), ``timeout``, ``setup_failed`` (checkout or launch
+failed). Sessions run ``--concurrency`` at a time; one that crashes or hangs never stops the others.
+
+Writes RUN_DIR/tasks.jsonl (the instances used), RUN_DIR/sessions.parquet (eval/runs.py; one row per task x
+sample in task order, then sample order) and RUN_DIR/logs/<session_id>/{stdout,stderr}.txt. Next:
+``python -m eval score RUN_DIR``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import re
+import secrets
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from addon.session import is_session_id, looks_secret
+from eval.harnesses import Name, run_harness
+from eval.runs import LOGS, SESSION_STATUSES, SESSIONS, SESSIONS_SCHEMA, TASKS, write_sessions
+from eval.tasks import checkout, load_tasks, save_tasks
+
+__all__ = ["HARNESS_FOLDERS", "Args", "instruction", "main", "session_id", "take_patch"]
+
+console = Console(stderr=True)
+
+# Folders a harness or the tools it runs leave in the workspace; never part of the agent's patch. Excluded
+# from `git add` by pathspec, so a file the agent meant to create is never deleted.
+HARNESS_FOLDERS = (
+    ".claude", ".codex", ".pi", ".qwen", ".gemini", "node_modules", "__pycache__", ".pytest_cache", ".venv",
+    ".mypy_cache", ".ruff_cache", ".tox",
+)  # fmt: skip
+EXCLUDES = [f":(exclude,glob)**/{name}/**" for name in HARNESS_FOLDERS]
+ERROR_TAIL = 2000  # characters of a failed harness's stderr kept in the sessions table
+
+
+@dataclasses.dataclass
+class Args:
+    """Run one harness on every task x sample through the proxy."""
+
+    # ---- what to run
+    tasks: str
+    """"toy" (the shipped toy tasks) or a JSON / JSONL / Parquet file of SWE-bench-shaped instances."""
+    harness: Name
+    """Harness preset: an npm CLI (codex, claude-code, pi, qwen-code, gemini), mini (eval/mini.py) or shell."""
+    proxy: str
+    """Base URL of mitmdump with the capture addon, without /v1, e.g. http://127.0.0.1:8080."""
+    out: Path
+    """Run folder to write (RUN_DIR); must not hold a sessions table yet."""
+    samples: int = 1
+    """Rollouts per task."""
+    instance_ids: tuple[str, ...] | None = None
+    """Only these instances of --tasks; default: all."""
+    # ---- the harness
+    model: str = "tiny"
+    """Model name the harness asks for (the proxy's polar_model can rename it upstream)."""
+    command: str | None = None
+    """shell harness only: the command line, with {instruction} where the shell-quoted task goes."""
+    tools: tuple[str, ...] | None = None
+    """Only these of the harness's built-in tools (its own names); default: all."""
+    max_tokens: int | None = None
+    """Output tokens per model call; default: the harness's own cap."""
+    # ---- limits
+    concurrency: int = 1
+    """Sessions at a time."""
+    timeout: float = 1800.0
+    """Seconds before a harness and its children are killed (status timeout)."""
+    keep_workspaces: bool = False
+    """Keep each checkout and harness HOME under RUN_DIR/workspaces/<session_id> instead of removing it."""
+
+    def __post_init__(self) -> None:
+        if self.samples < 1 or self.concurrency < 1:
+            raise ValueError(f"--samples and --concurrency must be at least 1, got {self.samples}, {self.concurrency}")
+        if self.timeout <= 0:
+            raise ValueError(f"--timeout must be positive, got {self.timeout}")
+        if (self.harness == "shell") != (self.command is not None):
+            raise ValueError("--command goes with --harness shell, and --harness shell needs --command")
+        if self.command is not None and "{instruction}" not in self.command:
+            raise ValueError(f"--command must contain {{instruction}}, where the task goes: {self.command!r}")
+        if (self.out / SESSIONS).exists():
+            raise ValueError(f"{self.out / SESSIONS} exists: give --out a new run folder")
+
+
+def instruction(task: dict[str, Any]) -> str:
+    """The prompt a harness gets for a task: the issue, and where to fix it."""
+    return (
+        f"{task['problem_statement'].strip()}\n\n"
+        "The repository with this issue is checked out in the current directory. Edit its source files so the "
+        "issue is resolved; do not change the tests."
+    )
+
+
+def session_id(run_tag: str, instance_id: str, sample: int) -> str:
+    """``<run_tag>-<instance_id>-<sample>`` as a session id the addon accepts (addon/session.py); unique per
+    (instance_id, sample): an instance id that had to be changed, or an id cut to length, gets a hash."""
+    iid = re.sub(r"[^A-Za-z0-9_.-]+", "-", instance_id)
+    if iid != instance_id:
+        iid = f"{iid}-{_digest(instance_id)}"
+    sid = f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', run_tag)}-{iid}-{sample}"
+    if not is_session_id(sid[:1]) or looks_secret(sid):  # an API key starting like a provider's is never kept
+        sid = f"run-{sid}"
+    if len(sid) > 128:
+        sid = f"{sid[:111]}-{_digest(f'{run_tag}-{instance_id}-{sample}')}"
+    return sid
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def take_patch(repo: Path, base_commit: str) -> str:
+    """Everything the agent changed since ``base_commit`` (commits included), as a binary-safe git diff."""
+    git = ["git", "-c", "core.quotepath=off", "-C", str(repo)]
+    subprocess.run([*git, "add", "-A", "--", ".", *EXCLUDES], check=True, capture_output=True)
+    diff = subprocess.run(
+        [*git, "diff", "--cached", "--binary", base_commit, "--", ".", *EXCLUDES], check=True, capture_output=True
+    )
+    return diff.stdout.decode(errors="replace")
+
+
+def _tail(text: str) -> str:
+    return text[-ERROR_TAIL:].strip()
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    task: dict[str, Any]
+    sample: int
+    session_id: str
+
+
+def roll_out(job: Job, args: Args, work_root: Path, logs: Path) -> dict[str, Any]:
+    """One session, start to patch; returns its sessions-table row. Never raises: a failure is a status."""
+    row: dict[str, Any] = {
+        "session_id": job.session_id,
+        "task_id": job.task["instance_id"],
+        "sample_id": job.sample,
+        "harness": args.harness,
+        "model": args.model,
+        "status": "setup_failed",
+        "exit_code": None,
+        "started_at": _now(),
+        "duration_s": None,
+        "patch": "",
+        "error": None,
+    }
+    work = work_root / job.session_id
+    log_dir = logs / job.session_id
+    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        try:
+            repo = checkout(job.task, work / "repo")  # at base_commit: checkout checks it
+            run = run_harness(
+                args.harness,
+                instruction(job.task),
+                workspace=repo,
+                base_url=args.proxy,
+                session_id=job.session_id,
+                model=args.model,
+                timeout=args.timeout,
+                tools=args.tools,
+                max_tokens=args.max_tokens,
+                command=args.command,
+                home=work / "home",
+            )
+        except Exception as e:  # checkout or launch: the harness never ran
+            row["error"] = f"{type(e).__name__}: {e}"[-ERROR_TAIL:]
+            (log_dir / "setup_error.txt").write_text(traceback.format_exc())
+            return row
+        (log_dir / "stdout.txt").write_text(run.stdout)
+        (log_dir / "stderr.txt").write_text(run.stderr)
+        row |= {"exit_code": run.exit_code, "duration_s": run.duration_s}
+        try:
+            row["patch"] = take_patch(repo, job.task["base_commit"])
+        except subprocess.CalledProcessError as e:  # the agent broke the repository (e.g. removed .git)
+            stderr = e.stderr.decode(errors="replace")
+            row |= {"status": "crashed", "error": f"could not take the patch: {_tail(stderr)}"}
+            return row
+        if run.timed_out:
+            row |= {"status": "timeout", "error": f"killed after {args.timeout:g} s; stderr: {_tail(run.stderr)}"}
+        elif run.exit_code != 0:
+            row |= {"status": "crashed", "error": f"exit {run.exit_code}; stderr: {_tail(run.stderr or run.stdout)}"}
+        elif not row["patch"]:
+            row |= {"status": "no_edit", "error": "the harness exited 0 and left no change"}
+        else:
+            row["status"] = "ok"
+        return row
+    finally:
+        if not args.keep_workspaces:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def run_all(jobs: list[Job], args: Args, work_root: Path, logs: Path) -> list[dict[str, Any]]:
+    """Every job, ``args.concurrency`` at a time, with a live count; rows in job order."""
+    rows: list[dict[str, Any] | None] = [None] * len(jobs)
+    lock = threading.Lock()
+    running = failed = 0
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    with Progress(*columns, console=console) as progress:
+        bar = progress.add_task(f"{args.harness}: running 0, failed 0", total=len(jobs))
+
+        def one(i: int) -> None:
+            nonlocal running, failed
+            with lock:
+                running += 1
+                progress.update(bar, description=f"{args.harness}: running {running}, failed {failed}")
+            row = roll_out(jobs[i], args, work_root, logs)
+            with lock:
+                rows[i] = row
+                running -= 1
+                failed += row["status"] not in ("ok", "no_edit")
+                progress.update(bar, advance=1, description=f"{args.harness}: running {running}, failed {failed}")
+
+        with ThreadPoolExecutor(max_workers=args.concurrency, thread_name_prefix="rollout") as pool:
+            for future in [pool.submit(one, i) for i in range(len(jobs))]:
+                future.result()  # roll_out never raises; this surfaces a bug in the bookkeeping itself
+    return [row for row in rows if row is not None]
+
+
+def main(args: Args) -> int:
+    tasks = load_tasks(args.tasks, args.instance_ids)  # refuses instance ids it does not have
+    if not tasks:
+        raise ValueError(f"{args.tasks}: no tasks")
+    proxy = args.proxy.rstrip("/").removesuffix("/v1")  # harness presets add /v1 where their API wants it
+    args = dataclasses.replace(args, proxy=proxy)
+    run_dir = args.out
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_tasks(tasks, run_dir / TASKS)
+
+    run_tag = f"{run_dir.resolve().name}-{secrets.token_hex(3)}"  # the nonce keeps reruns into a same-named dir apart
+    jobs = [Job(task, n, session_id(run_tag, task["instance_id"], n)) for task in tasks for n in range(args.samples)]
+    if args.keep_workspaces:
+        work_root = run_dir / "workspaces"
+    else:
+        # Outside the run folder: harnesses read instruction files (CLAUDE.md, AGENTS.md) from parent folders.
+        work_root = Path(tempfile.mkdtemp(prefix="polar-rollout-"))
+    started = time.monotonic()
+    try:
+        rows = run_all(jobs, args, work_root, run_dir / LOGS)
+    finally:
+        if not args.keep_workspaces:
+            shutil.rmtree(work_root, ignore_errors=True)
+    sessions = write_sessions(pl.DataFrame(rows, schema=SESSIONS_SCHEMA), run_dir)
+
+    table = Table(title=f"{args.harness}: {len(jobs)} sessions in {time.monotonic() - started:.0f} s")
+    for column in ("status", "sessions"):
+        table.add_column(column)
+    counts = pl.DataFrame(rows, schema=SESSIONS_SCHEMA)["status"].value_counts()
+    for status in SESSION_STATUSES:
+        n = counts.filter(pl.col("status") == status)["count"].sum()
+        table.add_row(status, str(n))
+    console.print(table)
+    print(f"tasks:    {run_dir / TASKS}")
+    print(f"sessions: {sessions}")
+    print(f"logs:     {run_dir / LOGS}/<session_id>/")
+    print(f"next:     python -m eval score {run_dir}")
+    return 0
