@@ -35,7 +35,11 @@ def main(argv: list[str]) -> int:
         return 2
     module = importlib.import_module(SUBCOMMANDS[name][0])
     args = tyro.cli(module.Args, args=rest, prog=f"python -m eval {name}", description=module.__doc__)
-    return module.main(args) or 0
+    try:
+        return module.main(args) or 0
+    except (ValueError, OSError) as e:  # bad input (a task file, a run folder): the message names it
+        print(f"python -m eval {name}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

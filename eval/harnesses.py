@@ -244,7 +244,7 @@ HARNESSES: dict[str, Preset] = {
 NPM_HARNESSES = frozenset({"codex", "claude-code", "pi", "qwen-code", "gemini"})  # the CLIs that install() brings
 
 
-def _base_env(home: Path, bin_dir: Path | None) -> dict[str, str]:
+def base_env(home: Path, bin_dir: Path | None) -> dict[str, str]:
     """A fresh environment: nothing of the caller's (keys, proxies, configs) reaches the harness."""
     path = os.environ.get("PATH", os.defpath)
     env = {
@@ -308,12 +308,12 @@ def run_harness(
             command=command,
         )
         argv, extra = preset(setup)
-        env = _base_env(setup.home, bin_dir) | extra
+        env = base_env(setup.home, bin_dir) | extra
         argv = [shutil.which(argv[0], path=env["PATH"]) or argv[0], *argv[1:]]
-        return _run(harness, argv, env, setup.workspace, timeout)
+        return run_process(harness, argv, env, setup.workspace, timeout)
 
 
-def _run(harness: str, argv: list[str], env: dict[str, str], cwd: Path, timeout: float) -> HarnessRun:
+def run_process(harness: str, argv: list[str], env: dict[str, str], cwd: Path, timeout: float) -> HarnessRun:
     # Output goes to files, not pipes: a tool's background child that keeps a pipe open would hang the read.
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         start = time.monotonic()

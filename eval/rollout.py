@@ -2,6 +2,7 @@
 
     python -m eval rollout --tasks toy --harness mini --samples 4 --proxy http://127.0.0.1:8080 --out runs/r1 \\
         [--model NAME] [--concurrency K] [--timeout S] [--instance-ids ID ...] [--command 'CMD {instruction}']
+        [--transparent --ca-cert CA.pem]
 
 For every task and sample: a fresh git checkout of the task's repo (eval.tasks.checkout), a session id that is
 unique to this run (``<run>-<nonce>-<instance_id>-<sample>``; it is the API key, so the proxy files every call
@@ -39,9 +40,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from addon.session import is_session_id, looks_secret
-from eval.harnesses import Name, run_harness
+from eval.harnesses import NPM_HARNESSES, Name, run_harness
 from eval.runs import LOGS, SESSION_STATUSES, SESSIONS, SESSIONS_SCHEMA, TASKS, write_sessions
 from eval.tasks import checkout, load_tasks, save_tasks
+from eval.transparent import run_transparent
 
 __all__ = ["HARNESS_FOLDERS", "Args", "instruction", "main", "session_id", "take_patch"]
 
@@ -90,6 +92,12 @@ class Args:
     """Seconds before a harness and its children are killed (status timeout)."""
     keep_workspaces: bool = False
     """Keep each checkout and harness HOME under RUN_DIR/workspaces/<session_id> instead of removing it."""
+    # ---- transparent mode (README "No base URL change")
+    transparent: bool = False
+    """--proxy is a regular-mode mitmdump with polar_reroute (addon/reroute.py): the harness keeps its provider's
+    own URL and gets only HTTPS_PROXY and the CA (--ca-cert). For the npm harnesses."""
+    ca_cert: Path | None = None
+    """With --transparent: the proxy's CA, mitmproxy-ca-cert.pem in the mitmdump's confdir."""
 
     def __post_init__(self) -> None:
         if self.samples < 1 or self.concurrency < 1:
@@ -100,6 +108,10 @@ class Args:
             raise ValueError("--command goes with --harness shell, and --harness shell needs --command")
         if self.command is not None and "{instruction}" not in self.command:
             raise ValueError(f"--command must contain {{instruction}}, where the task goes: {self.command!r}")
+        if self.transparent and self.harness not in NPM_HARNESSES:
+            raise ValueError(f"--transparent runs the npm harnesses ({', '.join(sorted(NPM_HARNESSES))}), not {self.harness}")
+        if self.transparent and not (self.ca_cert and self.ca_cert.is_file()):
+            raise ValueError(f"--transparent needs --ca-cert, the proxy's mitmproxy-ca-cert.pem; got {self.ca_cert}")
         if (self.out / SESSIONS).exists():
             raise ValueError(f"{self.out / SESSIONS} exists: give --out a new run folder")
 
@@ -177,19 +189,13 @@ def roll_out(job: Job, args: Args, work_root: Path, logs: Path) -> dict[str, Any
     try:
         try:
             repo = checkout(job.task, work / "repo")  # at base_commit: checkout checks it
-            run = run_harness(
-                args.harness,
-                instruction(job.task),
-                workspace=repo,
-                base_url=args.proxy,
-                session_id=job.session_id,
-                model=args.model,
-                timeout=args.timeout,
-                tools=args.tools,
-                max_tokens=args.max_tokens,
-                command=args.command,
-                home=work / "home",
-            )
+            common = {"workspace": repo, "session_id": job.session_id, "model": args.model, "timeout": args.timeout,
+                      "tools": args.tools, "max_tokens": args.max_tokens, "home": work / "home"}  # fmt: skip
+            if args.transparent:
+                assert args.ca_cert is not None
+                run = run_transparent(args.harness, instruction(job.task), proxy_url=args.proxy, ca_cert=args.ca_cert, **common)
+            else:
+                run = run_harness(args.harness, instruction(job.task), base_url=args.proxy, command=args.command, **common)
         except Exception as e:  # checkout or launch: the harness never ran
             row["error"] = f"{type(e).__name__}: {e}"[-ERROR_TAIL:]
             (log_dir / "setup_error.txt").write_text(traceback.format_exc())

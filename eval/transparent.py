@@ -147,10 +147,10 @@ def run_transparent(
             command=None,
         )
         argv, extra = preset(setup)
-        env = harnesses._base_env(setup.home, bin_dir) | _unpoint(harness, setup, extra)
+        env = harnesses.base_env(setup.home, bin_dir) | _unpoint(harness, setup, extra)
         env |= harness_env(harness, proxy_url, ca_cert)
         argv = [shutil.which(argv[0], path=env["PATH"]) or argv[0], *argv[1:]]
-        return harnesses._run(harness, argv, env, setup.workspace, timeout)
+        return harnesses.run_process(harness, argv, env, setup.workspace, timeout)
 
 
 @dataclasses.dataclass

@@ -159,3 +159,34 @@ def test_cli_round_trip(harness, cli_runs, tokenizer):
     texts = [tokenizer.decode(completion, skip_special_tokens=True) for _, completion in answered]
     call = next(i for i, text in enumerate(texts) if CASES[harness].tool in text and json.dumps(COMMAND)[1:-1] in text)
     assert any(text.strip() == FINAL for text in texts[call + 1 :]), texts
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 120)
+def test_rollout_transparent_claude_code_resolves_a_toy_task(tiny_model_dir, harness_bin, tmp_path):
+    """python -m eval rollout --transparent: Claude Code on its own URL fixes a toy task through the reroute."""
+    import eval.score
+    from eval import rollout
+    from eval.runs import read_rewards, read_sessions
+    from eval.tasks import load_tasks
+
+    task = min(load_tasks("toy"), key=lambda t: len(t["patch"]))
+    apply_gold = {"command": f"git apply <<'EOF_GOLD'\n{task['patch']}EOF_GOLD", "description": "Apply the fix"}
+    case = CASES["claude-code"]
+    steps = [{"content": None, "tool_calls": [{"name": case.tool, "arguments": apply_gold}]}, {"content": FINAL, "tool_calls": []}]
+    (tmp_path / "script.json").write_text(json.dumps(steps))
+    run = tmp_path / "run"
+    with (
+        ReferenceServer(tiny_model_dir, script=tmp_path / "script.json", log=tmp_path / "server.log") as server,
+        TransparentMitmdump(server.url, tmp_path / "captures", tmp_path / "conf", log=tmp_path / "mitm.log", polar_model="tiny") as mitm,
+    ):  # fmt: skip
+        args = rollout.Args(
+            tasks="toy", instance_ids=(task["instance_id"],), harness="claude-code", proxy=mitm.url, out=run,
+            tools=case.tools, timeout=RUN_TIMEOUT, transparent=True, ca_cert=mitm.ca_cert,
+        )  # fmt: skip
+        assert rollout.main(args) == 0
+    session = read_sessions(run).row(0, named=True)
+    assert (session["status"], session["patch"]) == ("ok", task["patch"]), session["error"]
+    records = read_records(tmp_path / "captures", session=session["session_id"])
+    assert records and {r["api"] for r in records} == {"anthropic"} and all(r["translated"] for r in records)
+    assert eval.score.main(eval.score.Args(run)) == 0
+    assert read_rewards(run).row(0, named=True)["reward"] == 1.0
