@@ -1,7 +1,7 @@
 """Reference upstream: an OpenAI-compatible chat server on transformers that answers like vLLM, fully offline.
 
     python -m eval.serve --model models/tiny --port 8000 [--host 127.0.0.1] [--script turns.json] [--seed 0]
-        [--lora-modules NAME=DIR ...]
+        [--lora-modules NAME=DIR ...] [--flavor vllm|sglang]
 
 Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions`` (streamed or not), and ``POST
 /v1/responses`` shaped like vLLM's (see ``ResponsesCall``); LoRA adapters as vLLM serves them
@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jinja2
 import tyro
@@ -58,6 +58,11 @@ class Config:
     """Seeds sampling for requests that carry no ``seed`` of their own."""
     max_tokens: int = 256
     """Completion length, in tokens, when a request sets neither max_tokens nor max_completion_tokens."""
+    flavor: Literal["vllm", "sglang"] = "vllm"
+    """Whose token fields to speak: vLLM's (``return_token_ids``: ``prompt_token_ids``, ``choices[].token_ids``,
+    ids on every streamed chunk) or SGLang's (``return_prompt_token_ids``, ``return_meta_info``: ids and
+    ``meta_info.output_token_logprobs`` per choice; streamed, one ``sglext`` chunk with the input and output ids,
+    and SGLang's refusal of the non-streamed fields on a stream)."""
     lora_modules: tuple[str, ...] = ()
     """LoRA adapters to serve, as vLLM's flag: NAME=DIR (a PEFT folder, e.g. train/grpo.py's output); a request
     whose model is NAME uses it. More can be loaded at run time: POST /v1/load_lora_adapter."""
@@ -86,6 +91,7 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    sglang: dict[str, bool] = dataclasses.field(default_factory=dict)  # SGLang's token fields, as sent
 
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -109,7 +115,11 @@ def _get(body: dict[str, Any], name: str, kind: type, default: Any = None) -> An
     return value
 
 
-def parse_request(body: Any, default_model: str) -> ChatRequest:
+SGLANG_FIELDS = ("return_prompt_token_ids", "return_meta_info", "return_input_ids_in_sglext", "return_output_ids_in_sglext")
+SGLANG_NOT_STREAMED = ("return_token_ids", "return_prompt_token_ids", "return_meta_info")
+
+
+def parse_request(body: Any, default_model: str, flavor: str = "vllm") -> ChatRequest:
     """Checks a decoded JSON body; raises BadRequest naming the offending field."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
@@ -164,6 +174,11 @@ def parse_request(body: Any, default_model: str) -> ChatRequest:
         # vLLM parses tool calls only when the request has tools and tool_choice is not "none".
         "parse_tools": bool(tools) and tool_choice != "none",
     }
+    sglang = {name: _get(body, name, bool, False) for name in SGLANG_FIELDS} if flavor == "sglang" else {}
+    if flavor == "sglang" and stream:
+        for name in SGLANG_NOT_STREAMED:
+            if body.get(name):  # SGLang raises a ValueError, answered 400
+                raise BadRequest(f"{name} is not supported with stream=true; use return_*_ids_in_sglext", name)
     return ChatRequest(
         model=_get(body, "model", str, default_model),
         messages=_object_arguments(messages),
@@ -173,6 +188,7 @@ def parse_request(body: Any, default_model: str) -> ChatRequest:
         stream=stream,
         include_usage=_get(stream_options or {}, "include_usage", bool, False),
         return_token_ids=_get(body, "return_token_ids", bool, False),
+        sglang=sglang,
     )
 
 
@@ -203,6 +219,7 @@ class Server(ThreadingHTTPServer):
         self.script = Script.load(config.script) if config.script else None
         self.model_name = str(config.model)  # vLLM's default served name is its --model argument
         self.default_max_tokens = config.max_tokens
+        self.flavor = config.flavor
         self.started = int(time.time())
         for module in config.lora_modules:
             name, eq, path = module.partition("=")
@@ -291,7 +308,16 @@ def completion_body(req: ChatRequest, prompt_ids: list[int], pieces: Iterator[Pi
         "created": int(time.time()),
         "model": req.model,
     }
-    if req.return_token_ids:
+    if req.sglang:  # SGLang: everything per choice
+        if req.sglang["return_prompt_token_ids"]:
+            choice["prompt_token_ids"] = prompt_ids
+        if req.return_token_ids:
+            choice["response_token_ids"] = token_ids
+        if req.sglang["return_meta_info"]:
+            triples = [[e["logprob"], t, None] for e, t in zip(logprobs, token_ids)] if logprobs else None
+            choice["meta_info"] = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(token_ids),
+                                   "cached_tokens": 0, "output_token_logprobs": triples}  # fmt: skip
+    elif req.return_token_ids:
         choice["token_ids"] = token_ids
         body["prompt_token_ids"] = prompt_ids
     return {**body, "choices": [choice], "usage": _usage(len(prompt_ids), len(token_ids))}
@@ -308,6 +334,7 @@ def stream_chunks(req: ChatRequest, prompt_ids: list[int], pieces: Iterator[Piec
     role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
     yield {**head, "choices": [role]} | ({"prompt_token_ids": prompt_ids} if req.return_token_ids else {})
     n_calls = n_tokens = 0
+    sampled: list[int] = []  # for SGLang's sglext chunk
     for piece in pieces:
         n_tokens += 1
         delta: dict[str, Any] = {}
@@ -326,7 +353,15 @@ def stream_chunks(req: ChatRequest, prompt_ids: list[int], pieces: Iterator[Piec
         }
         if req.return_token_ids:
             choice["token_ids"] = [piece.token_id]
+        sampled.append(piece.token_id)
         yield {**head, "choices": [choice]}
+    ext: dict[str, Any] = {}
+    if req.sglang.get("return_input_ids_in_sglext"):
+        ext["input_ids"] = prompt_ids
+    if req.sglang.get("return_output_ids_in_sglext"):
+        ext["output_ids"] = [sampled]  # one list per choice
+    if ext:
+        yield {**head, "choices": [], "sglext": ext}
     if req.include_usage:
         yield {**head, "choices": [], "usage": _usage(len(prompt_ids), n_tokens)}
 
@@ -432,7 +467,7 @@ class Handler(BaseHTTPRequestHandler):
             if path == "/v1/responses":
                 self._responses(ResponsesCall(self._read_json(), self.server.model_name), session)
                 return
-            req = parse_request(self._read_json(), self.server.model_name)
+            req = parse_request(self._read_json(), self.server.model_name, self.server.flavor)
             prompt_ids, sampling, forced = self.server.prepare(req, session)
             pieces = generate(self.server.engine, prompt_ids, sampling, forced)
             if req.stream:

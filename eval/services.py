@@ -81,11 +81,19 @@ class ReferenceServer(Service):
     """``python -m eval.serve --model DIR`` (see eval/serve.py)."""
 
     def __init__(
-        self, model: Path, *, log: Path, script: Path | None = None, seed: int = 0, lora: dict[str, Path] | None = None
+        self,
+        model: Path,
+        *,
+        log: Path,
+        script: Path | None = None,
+        seed: int = 0,
+        lora: dict[str, Path] | None = None,
+        flavor: str = "vllm",
     ) -> None:
         port = free_port()
         cmd = [sys.executable, "-m", "eval.serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--seed", str(seed)] + (["--script", str(script)] if script else [])
+        cmd += ["--flavor", flavor]
         if lora:
             cmd += ["--lora-modules", *(f"{name}={path}" for name, path in lora.items())]
         super().__init__(cmd, port=port, log=log)
