@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "score": ("eval.score", "grade a run's patches (or a predictions file) with swebench; write rewards.parquet"),
     "join": ("eval.join", "fill task ids, samples and rewards into a trajectories Parquet"),
     "report": ("eval.report", "pass@1 / pass@k per task and harness, with a plot"),
+    "serve-rollouts": ("eval.rollout_service", "HTTP service: submit a task x N samples; get patches, rewards, traces"),
 }
 
 

@@ -1,0 +1,107 @@
+"""Write the Gym agent's example inputs and their rollouts with the real pipeline, on CPU, in about a minute.
+
+    .venv/bin/python -m eval.nemo_gym.make_examples [--out eval/nemo_gym/responses_api_agents/polar_swe_agent/data]
+
+The tiny offline model (eval.models) serves a script (eval.serve --script) behind mitmdump + addon/polar.py; the
+rollout service (eval/rollout_service.py) runs the ``mini`` harness on five toy tasks; each Gym row goes through
+the same submission and verify-response code that app.py's /run uses (polar_gym.py). The scripted tool call applies
+the gold patch on the first three tasks (reward 1) and writes a stray file on the other two (reward 0). Token ids
+and log-probs are the model's own (teacher-forced), so tests can decode them with the same tokenizer, whose hash
+goes into example_rollouts.meta.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import tyro
+
+from eval.models import build_tiny
+from eval.rollout import instruction
+from eval.rollout_service import Args as ServiceArgs
+from eval.rollout_service import serve
+from eval.services import Mitmdump, ReferenceServer, free_port
+from eval.tasks import load_tasks
+
+AGENT = Path(__file__).resolve().parent / "responses_api_agents" / "polar_swe_agent"
+sys.path.insert(0, str(AGENT))
+from polar_gym import ServiceClient, submission, verify_response  # noqa: E402
+
+N_EXAMPLES, N_RESOLVED = 5, 3
+
+
+@dataclasses.dataclass
+class Args:
+    """Regenerate data/example.jsonl and data/example_rollouts.jsonl."""
+
+    out: Path = AGENT / "data"
+    """Folder for example.jsonl, example_rollouts.jsonl and example_rollouts.meta.json."""
+
+
+def script(tasks: list[dict]) -> list[dict]:
+    """One bash call that applies the gold patch on the first N_RESOLVED tasks (told apart by commit), then an answer."""
+    arms = "".join(f"{t['base_commit']}) git apply <<'EOF_GOLD'\n{t['patch']}EOF_GOLD\n;;\n" for t in tasks[:N_RESOLVED])
+    command = f'case "$(git rev-parse HEAD)" in\n{arms}*) printf "looked at it\\n" > NOTES.txt\n;;\nesac'
+    return [
+        {"reasoning": "Apply the fix.", "content": None, "tool_calls": [{"name": "bash", "arguments": {"command": command}}]},
+        {"content": "Done: the fix is in.", "tool_calls": []},
+    ]
+
+
+def row(task: dict) -> dict:
+    """A Gym dataset row: the prompt the harness gets (for reading; the harness builds its own), the instance."""
+    return {
+        "responses_create_params": {
+            "input": [{"role": "user", "content": instruction(task)}],
+            "metadata": {"instance_id": task["instance_id"], "harness": "mini"},
+        },
+        "agent_ref": {"type": "responses_api_agents", "name": "polar_swe_agent"},
+        "instance": task,
+    }
+
+
+def main(args: Args) -> int:
+    tasks = sorted(load_tasks("toy"), key=lambda t: len(t["patch"]))[:N_EXAMPLES]  # short patches: fast teacher forcing
+    rows = [row(t) for t in tasks]
+    with tempfile.TemporaryDirectory(prefix="polar-gym-examples-") as tmp_name:
+        tmp = Path(tmp_name)
+        model = build_tiny(tmp / "tiny")
+        (tmp / "script.json").write_text(json.dumps(script(tasks)))
+        with ReferenceServer(model, script=tmp / "script.json", log=tmp / "server.log") as server:
+            with Mitmdump(server.url, tmp / "captures", log=tmp / "mitmdump.log") as proxy:
+                service_args = ServiceArgs(proxy=proxy.url, captures=tmp / "captures", root=tmp / "jobs", port=free_port())
+                http, _ = serve(service_args)
+                threading.Thread(target=http.serve_forever, daemon=True).start()
+                client = ServiceClient(f"http://127.0.0.1:{service_args.port}", poll_s=0.5)
+
+                def rollout(i: int) -> dict:
+                    gym_row = rows[i] | {"_ng_task_index": i, "_ng_rollout_index": 0}  # what Gym's collection adds
+                    job = submission(gym_row, harness="mini", model="tiny", timeout=300)
+                    answer = verify_response(gym_row, client.run(job, deadline_s=900), model="tiny")
+                    answer["polar"]["trajectories"] = None  # a temporary path: meaningless once committed
+                    print(f"{tasks[i]['instance_id']}: reward {answer['reward']}, mask {answer['polar']['mask_reasons']}")
+                    return answer
+
+                with ThreadPoolExecutor(service_args.workers) as pool:
+                    rollouts = list(pool.map(rollout, range(len(rows))))
+                http.shutdown()
+        tokenizer_sha = hashlib.sha256((model / "tokenizer.json").read_bytes()).hexdigest()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "example.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (args.out / "example_rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rollouts))
+    meta = {"model": "python -m eval.models tiny", "tokenizer_sha256": tokenizer_sha,
+            "command": "python -m eval.nemo_gym.make_examples"}  # fmt: skip
+    (args.out / "example_rollouts.meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(f"wrote {args.out}/example.jsonl, example_rollouts.jsonl, example_rollouts.meta.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(tyro.cli(Args, description=__doc__)))

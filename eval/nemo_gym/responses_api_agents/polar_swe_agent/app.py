@@ -1,0 +1,80 @@
+"""NeMo Gym agent server for Polar: ``/run`` hands a SWE task to polar-rl's rollout service and answers Gym's verify
+response with the swebench reward and the main chain's exact token ids (polar_gym.py does the reshaping).
+
+    NEMO_GYM_EXTRA_ROOTS=eval/nemo_gym gym env start \\
+        "+config_paths=[responses_api_agents/polar_swe_agent/configs/polar_swe_agent.yaml]"
+
+Started by Gym in its own virtualenv (requirements.txt), as ``python app.py`` in this folder. The rollout service
+(``python -m eval.rollout_service``) and the capture proxy in front of the policy model run beside it; see
+eval/nemo_gym/README.md. ``/v1/responses`` is not served: the harness owns the agent loop (Gym's
+external-agent-loop profile).
+"""
+
+import asyncio
+from pathlib import Path
+from typing import Any, Optional
+
+from fastapi import Body, FastAPI
+from pydantic import ConfigDict
+
+from nemo_gym.base_resources_server import BaseRunRequest, BaseVerifyResponse
+from nemo_gym.base_responses_api_agent import BaseResponsesAPIAgentConfig, SimpleResponsesAPIAgent
+from nemo_gym.openai_utils import NeMoGymResponse, NeMoGymResponseCreateParamsNonStreaming
+from polar_gym import ServiceClient, submission, verify_response
+
+
+class PolarSWEAgentConfig(BaseResponsesAPIAgentConfig):
+    service_url: str
+    """polar-rl rollout service, e.g. http://127.0.0.1:8090."""
+    service_token_file: Optional[str] = None
+    """File with the service's bearer token (its --token-file), if it has one."""
+    harness: str = "mini"
+    """Harness preset run on each task, unless a row's metadata.harness says otherwise."""
+    model_name: str = "policy"
+    """Model name the harness asks the proxy for, unless a row's responses_create_params.model says otherwise."""
+    rollout_timeout_s: float = 1800.0
+    """Seconds before the service kills a harness (session status timeout, sample masked)."""
+    run_deadline_s: float = 7200.0
+    """Seconds /run waits for the service's job (queue, harness, grading, reconstruction) before cancelling it."""
+    poll_s: float = 2.0
+    """Seconds between job status polls."""
+
+
+class PolarSWERunRequest(BaseRunRequest):
+    model_config = ConfigDict(extra="allow")  # the SWE instance (or instance_id) and Gym's _ng_* indices
+
+
+class PolarSWEVerifyResponse(BaseVerifyResponse):
+    model_config = ConfigDict(extra="allow")  # resolved, model_patch, instance_config.mask_sample, polar
+
+
+class PolarSWEAgent(SimpleResponsesAPIAgent):
+    config: PolarSWEAgentConfig
+
+    def setup_webserver(self) -> FastAPI:
+        app = FastAPI()
+        app.post("/v1/responses")(self.responses)
+        app.post("/run")(self.run)
+        return app
+
+    async def responses(self, body: NeMoGymResponseCreateParamsNonStreaming = Body()) -> NeMoGymResponse:
+        raise NotImplementedError("polar_swe_agent runs whole rollouts through /run; the harness owns the turns")
+
+    async def run(self, body: PolarSWERunRequest = Body()) -> PolarSWEVerifyResponse:
+        row: dict[str, Any] = body.model_dump(mode="json", exclude_unset=True)
+        token_file = self.config.service_token_file
+        client = ServiceClient(
+            self.config.service_url,
+            token=Path(token_file).read_text().strip() if token_file else None,
+            poll_s=self.config.poll_s,
+        )
+        config = self.config
+        job = submission(row, harness=config.harness, model=config.model_name, timeout=config.rollout_timeout_s)
+        results = await asyncio.to_thread(client.run, job, deadline_s=self.config.run_deadline_s)
+        answer = verify_response(row, results, model=self.config.model_name)
+        answer["responses_create_params"] = body.responses_create_params  # echoed as Gym parsed it
+        return PolarSWEVerifyResponse.model_validate(answer)
+
+
+if __name__ == "__main__":
+    PolarSWEAgent.run_webserver()

@@ -1,0 +1,72 @@
+"""Validate this agent's example rows and rollouts with NeMo Gym's own models; optionally run /run for real.
+
+    cd eval/nemo_gym/responses_api_agents/polar_swe_agent
+    GYM_VENV/bin/python check_gym.py [--service URL [--token-file FILE]]
+
+Runs in an interpreter where ``nemo-gym`` is installed (0.4.0 on Python 3.12). Checks that every row of
+data/example.jsonl parses as the agent's run request (``responses_create_params`` strictly), that every rollout of
+data/example_rollouts.jsonl parses as Gym's BaseVerifyResponse and keeps its token fields through Gym's output item
+models (the "ForTraining" variants), and with ``--service`` that app.py's /run, served by FastAPI's TestClient,
+returns such a response for the first row through that rollout service. Prints one JSON line: what it checked.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from fastapi.testclient import TestClient
+from omegaconf import OmegaConf
+
+import app
+from nemo_gym.base_resources_server import BaseVerifyResponse
+from nemo_gym.config_types import BaseServerConfig
+from nemo_gym.server_utils import ServerClient
+
+TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+HERE = Path(__file__).resolve().parent
+
+
+def tokens(output):
+    return [[item.get(k) for k in TOKEN_FIELDS] for item in output if item.get("generation_token_ids")]
+
+
+def check_rollout(answer):
+    BaseVerifyResponse.model_validate(answer)
+    parsed = app.PolarSWEVerifyResponse.model_validate(answer).model_dump(mode="json")
+    if tokens(parsed["response"]["output"]) != tokens(answer["response"]["output"]):
+        sys.exit("Gym's output item models dropped or changed token fields")
+    if not isinstance(parsed["instance_config"]["mask_sample"], bool):
+        sys.exit("instance_config.mask_sample is not a bool")
+    return parsed
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--service", help="URL of a running rollout service: also run /run on the first row")
+    parser.add_argument("--token-file", help="the service's bearer token file, if it has one")
+    args = parser.parse_args()
+    rows = [json.loads(line) for line in (HERE / "data" / "example.jsonl").read_text().splitlines()]
+    rollouts = [json.loads(line) for line in (HERE / "data" / "example_rollouts.jsonl").read_text().splitlines()]
+    for row in rows:
+        app.PolarSWERunRequest.model_validate(row)
+    for answer in rollouts:
+        check_rollout(answer)
+    report = {"rows": len(rows), "rollouts": len(rollouts)}
+    if args.service:
+        config = app.PolarSWEAgentConfig(name="polar_swe_agent", host="127.0.0.1", port=0, entrypoint="app.py",
+                                         service_url=args.service, service_token_file=args.token_file,
+                                         model_name="tiny", poll_s=0.5)  # fmt: skip
+        # The agent never calls other Gym servers; a client for an absent head server satisfies the base class.
+        head = BaseServerConfig(host="127.0.0.1", port=9)
+        client = ServerClient(head_server_config=head, global_config_dict=OmegaConf.create({}))
+        agent = app.PolarSWEAgent(config=config, server_client=client)
+        response = TestClient(agent.setup_webserver()).post("/run", json=rows[0])
+        if response.status_code != 200:
+            sys.exit(f"/run answered {response.status_code}: {response.text[:2000]}")
+        report["run"] = check_rollout(response.json())
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""The NeMo Gym agent folder (eval/nemo_gym): its files follow Gym's conventions, every committed example rollout
+survives a token round trip, NeMo RL's contiguity rule and the documented /run shapes, Gym's own models accept it
+where nemo-gym installs, and the masking rules flag what NeMo RL must not train on.
+
+Gym's models run in a separate Python 3.12 virtualenv, tests/.cache/gymvenv (HOW_TO_INSTALL; nemo-gym 0.4.0 is
+the newest release for 3.12). Without it the Gym-model test is skipped, saying how to make it; the
+documented-shape test always runs.
+"""
+
+import hashlib
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+import pytest
+import yaml
+from transformers import AutoTokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+AGENT = ROOT / "eval" / "nemo_gym" / "responses_api_agents" / "polar_swe_agent"
+DATA = AGENT / "data"
+GYM_VENV = ROOT / "tests" / ".cache" / "gymvenv"
+HOW_TO_INSTALL = (  # nemo-gym 0.4.0 is the newest release for Python 3.12; 0.5 and later need 3.13.14
+    f"python3.12 -m venv {GYM_VENV} && {GYM_VENV}/bin/pip install nemo-gym==0.4.0"
+)
+TRIPLE = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+
+sys.path.insert(0, str(AGENT))
+from polar_gym import MASK_REASONS, calls_of, contiguity_errors, verify_response  # noqa: E402
+
+sys.path.remove(str(AGENT))
+
+
+def jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+ROWS, ROLLOUTS = jsonl(DATA / "example.jsonl"), jsonl(DATA / "example_rollouts.jsonl")
+
+
+# ---- Gym's documented shapes (reference nemo-gym.md §1): the fields /run must return, mirrored, extra keys allowed.
+class Item(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="allow")
+    type: Literal["message", "function_call", "function_call_output", "reasoning"]
+    prompt_token_ids: list[int] | None = None
+    generation_token_ids: list[int] | None = None
+    generation_log_probs: list[float] | None = None
+
+
+class Response(pydantic.BaseModel):
+    id: str
+    created_at: float
+    model: str
+    object: Literal["response"]
+    output: list[Item]
+    parallel_tool_calls: bool
+    tool_choice: str
+    tools: list[dict[str, Any]]
+
+
+class CreateParams(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")  # Gym validates these strictly
+    input: str | list[dict[str, Any]]
+    metadata: dict[str, str] | None = None
+    model: str | None = None
+
+
+class InstanceConfig(pydantic.BaseModel):
+    mask_sample: bool
+
+
+class VerifyResponse(pydantic.BaseModel):
+    responses_create_params: CreateParams
+    response: Response
+    reward: float
+    instance_config: InstanceConfig
+
+
+def test_folder_follows_gym_conventions():
+    config = yaml.safe_load((AGENT / "configs" / "polar_swe_agent.yaml").read_text())
+    agent = config["polar_swe_agent"]["responses_api_agents"]["polar_swe_agent"]  # instance → type → implementation
+    assert (AGENT / agent["entrypoint"]).is_file() and agent["domain"] == "coding"
+    assert agent["service_url"] == "???"  # required: Gym refuses to start without it
+    assert [d["type"] for d in agent["datasets"]] == ["example"]
+    assert (ROOT / "eval" / "nemo_gym" / agent["datasets"][0]["jsonl_fpath"]).is_file()
+    assert (AGENT / "requirements.txt").is_file() and not (AGENT / "pyproject.toml").exists()
+    assert len(ROWS) >= 5 and len(ROLLOUTS) == len(ROWS)
+    for row, rollout in zip(ROWS, ROLLOUTS):
+        CreateParams.model_validate(row["responses_create_params"])
+        assert row["agent_ref"] == {"type": "responses_api_agents", "name": "polar_swe_agent"}
+        assert rollout["responses_create_params"]["metadata"]["instance_id"] == row["instance"]["instance_id"]
+
+
+def test_example_rollouts_have_the_documented_shape_and_real_rewards():
+    for rollout in ROLLOUTS:
+        VerifyResponse.model_validate(rollout)
+        for item in rollout["response"]["output"]:
+            present = [item.get(k) is not None for k in TRIPLE]
+            assert all(present) or not any(present), item  # atomic triple
+        assert rollout["instance_config"]["mask_sample"] is False, rollout["polar"]["mask_reasons"]
+    assert [r["reward"] for r in ROLLOUTS] == [1.0, 1.0, 1.0, 0.0, 0.0]  # the swebench verdicts, not a constant
+    assert [r["resolved"] for r in ROLLOUTS] == [True, True, True, False, False]
+
+
+def test_example_rollouts_round_trip_their_tokens(tiny_model_dir):
+    meta = json.loads((DATA / "example_rollouts.meta.json").read_text())
+    assert hashlib.sha256((tiny_model_dir / "tokenizer.json").read_bytes()).hexdigest() == meta["tokenizer_sha256"]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for rollout in ROLLOUTS:
+        output = rollout["response"]["output"]
+        assert contiguity_errors(output) == []
+        seen: list[int] = []
+        call_items: list[dict[str, Any]] = []  # the items of the current model call
+        for item in output:
+            if item["type"] == "function_call_output":
+                continue
+            call_items.append(item)
+            if "generation_token_ids" not in item:
+                continue
+            prompt, generation, logprobs = (item[k] for k in TRIPLE)
+            assert prompt[: len(seen)] == seen  # each call's prompt starts with everything before it
+            assert len(logprobs) == len(generation) and all(lp <= 0 for lp in logprobs)
+            text = tokenizer.decode(generation, skip_special_tokens=False)
+            for part in call_items:  # the generation decodes to what the call emitted, item by item
+                if part["type"] == "reasoning":
+                    assert part["summary"][0]["text"] in text
+                elif part["type"] == "message":
+                    assert part["content"][0]["text"] in text
+                else:
+                    blocks = [json.loads(b) for b in re.findall(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.S)]
+                    assert {"name": part["name"], "arguments": json.loads(part["arguments"])} in blocks
+            seen, call_items = prompt + generation, []
+        assert not call_items  # every call's items ended with the one carrying its tokens
+
+
+def trace(prompt, pieces, *, n_calls=None, chain_index=0):
+    """A trace from (ids, sampled?) pieces, with one assistant message per sampled piece."""
+    response = [i for ids, _ in pieces for i in ids]
+    mask = [int(sampled) for ids, sampled in pieces for _ in ids]
+    n = sum(sampled for _, sampled in pieces)
+    messages = [{"role": "user", "content": "fix"}]
+    for k in range(n):
+        messages.append({"role": "assistant", "content": f"turn {k}"})
+        if k < n - 1:
+            messages.append({"role": "tool", "tool_call_id": "c", "content": "ok"})
+    return {"trace_id": f"s/{chain_index}", "chain_index": chain_index, "n_calls": n_calls or n, "token_source": "captured",
+            "prompt_ids": prompt, "response_ids": response, "loss_mask": mask,
+            "logprobs": [-0.5 * m for m in mask], "messages": {"messages": messages, "tools": None}}  # fmt: skip
+
+
+def results(traces, **session):
+    base = {"session_id": "s", "status": "ok", "reward": 1.0, "resolved": True, "reason": "graded", "patch": "diff",
+            "calls": sum(t["n_calls"] for t in traces), "incomplete_calls": 0, "traces": traces}  # fmt: skip
+    return {"job_id": "j", "status": "done", "sessions": [base | session]}
+
+
+def test_calls_split_on_loss_mask_runs():
+    t = trace([1, 2], [([3, 4], True), ([5], False), ([6], True)])
+    assert calls_of(t) == [([1, 2], [3, 4], [-0.5, -0.5]), ([1, 2, 3, 4, 5], [6], [-0.5])]
+
+
+@pytest.mark.parametrize(
+    ("traces", "session", "reasons"),
+    [
+        ([trace([1], [([2], True), ([3], False), ([4], True)])], {}, []),
+        ([trace([1], [([2], True), ([3], False), ([4], True)]), trace([9], [([8], True)], chain_index=1)], {}, ["several_chains"]),
+        ([trace([1], [([2], True)])], {"incomplete_calls": 1}, ["incomplete_capture"]),
+        ([trace([1], [([2], True)])], {"calls": 2}, ["incomplete_capture"]),
+        ([trace([1], [([2], True)])], {"status": "timeout"}, ["timeout"]),
+        ([trace([1], [([2], True)])], {"reason": "eval_error", "reward": 0.0}, ["grade_failed"]),
+        ([trace([1], [([2, 3], True)], n_calls=2)], {"calls": 2}, ["call_split"]),  # two calls with no tokens between
+        ([trace([1], [([2], True)]) | {"logprobs": None}], {}, ["no_logprobs"]),
+        ([], {"calls": 0}, ["no_trace"]),
+    ],
+)
+def test_mask_sample_flags_what_nemo_rl_must_not_train_on(traces, session, reasons):
+    answer = verify_response({"responses_create_params": {"input": []}}, results(traces, **session), model="m")
+    assert answer["polar"]["mask_reasons"] == reasons and set(reasons) <= set(MASK_REASONS)
+    assert answer["instance_config"]["mask_sample"] is bool(reasons)
+    assert answer["reward"] == session.get("reward", 1.0)
+
+
+def test_contiguity_errors_name_the_broken_item():
+    good = {"type": "message", "prompt_token_ids": [1], "generation_token_ids": [2], "generation_log_probs": [-1.0]}
+    rerendered = good | {"prompt_token_ids": [1, 7, 3]}  # does not start with 1, 2
+    assert contiguity_errors([good, rerendered]) == ["output[1]: prompt_token_ids do not start with the 2 tokens seen before"]
+    assert contiguity_errors([good | {"generation_log_probs": None}])[0].startswith("output[0]: prompt_token_ids, generation")
+    assert contiguity_errors([good | {"generation_log_probs": [-1.0, -2.0]}]) == [
+        "output[0]: 2 generation_log_probs for 1 generation ids"
+    ]
+
+
+def gym_python() -> Path:
+    """tests/.cache/gymvenv's interpreter with nemo-gym importable; skips, saying how to make it, when there is none.
+    Not made here: installing nemo-gym and its dependencies takes 7-10 minutes, more than a test run may spend."""
+    python = GYM_VENV / "bin" / "python"
+    if python.exists() and subprocess.run([python, "-c", "import nemo_gym"], capture_output=True).returncode == 0:
+        return python
+    pytest.skip(f"no nemo-gym virtualenv, so Gym's own models are not checked; make it with: {HOW_TO_INSTALL}")
+
+
+def test_gym_models_accept_the_rows_and_rollouts():
+    python = gym_python()
+    done = subprocess.run([python, "check_gym.py"], cwd=AGENT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == {"rows": len(ROWS), "rollouts": len(ROLLOUTS)}
