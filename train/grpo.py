@@ -146,6 +146,9 @@ class Config:
     """Clip the global gradient norm to this (None: no clipping; the norm is logged either way)."""
     max_bad_steps: int = 3
     """Stop after this many consecutive steps with a non-finite loss or gradient (each one is skipped)."""
+    allow_no_signal: bool = False
+    """When no group has reward variance, write the starting adapter unchanged (0 steps) instead of failing:
+    a demo or smoke run completes its loop whatever the rewards were."""
 
     def __post_init__(self) -> None:
         positive = ("save_every", "sessions_per_step", "epochs", "max_len", "micro_batch_tokens", "logprob_chunk",
@@ -303,6 +306,13 @@ def main(cfg: Config) -> None:
     group = np.unique(np.array(rollout.task_ids), return_inverse=True)[1]  # (S,)
     adv, usable = losses.group_advantages(rollout.reward, group, scale_by_std=cfg.scale_by_std)  # (S,), (S,)
     n_groups, n_usable = len(np.unique(group)), len(np.unique(group[usable]))
+    if n_usable == 0 and cfg.allow_no_signal:
+        print0(f"no usable group: all {n_groups} groups have equal rewards (or one session); writing the starting "
+               "adapter unchanged (--allow-no-signal)")  # fmt: skip
+        save_untrained(accelerator, cfg, {"step": 0, "data/sessions": len(rollout.session_ids),
+                       "data/traces": len(rollout.trace_session), "data/groups": n_groups,
+                       "reward/zero_std_frac": 1.0})  # fmt: skip
+        return
     if n_usable == 0:
         raise DataError(f"no usable group: all {n_groups} groups have equal rewards (or one session); nothing to learn")
     traces, cut = data.make_traces(rollout, adv, usable, cfg.max_len)
@@ -435,6 +445,19 @@ def main(cfg: Config) -> None:
     runtime.save_adapter(accelerator, policy, cfg.output, cfg)
     log.close()
     print0(f"adapter written to {cfg.output}")
+    accelerator.end_training()
+
+
+def save_untrained(accelerator: Accelerator, cfg: Config, row: dict[str, Any]) -> None:
+    """The adapter as it starts (a fresh LoRA is the base model: B = 0), its config and the step-0 metrics row."""
+    policy = load_policy(cfg, accelerator.mixed_precision)
+    if accelerator.is_main_process:
+        cfg.output.mkdir(parents=True, exist_ok=True)
+        log = runtime.MetricsLog(cfg.output, None)
+        log.log(row)
+        log.close()
+    runtime.save_adapter(accelerator, policy, cfg.output, cfg)
+    accelerator.print(f"adapter written to {cfg.output} (untrained)")
     accelerator.end_training()
 
 
