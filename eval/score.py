@@ -316,14 +316,15 @@ def main(args: Args) -> int:
     if args.runner == "docker":
         import docker
 
+        no_daemon = "python -m eval score: --runner docker needs a running Docker daemon and none answered ({}). Grade with --runner local, or start Docker."  # fmt: skip
+        if not (os.environ.get("DOCKER_HOST") or Path("/var/run/docker.sock").exists()):
+            # Asked without an endpoint, the docker client leaves a socket behind for the interpreter to complain of.
+            print(no_daemon.format("no DOCKER_HOST and no /var/run/docker.sock"), file=sys.stderr)
+            return 1
         try:
             client = docker.from_env()
         except docker.errors.DockerException as e:
-            print(
-                "python -m eval score: --runner docker needs a running Docker daemon and none answered "
-                f"({str(e).splitlines()[0][:200]}). Grade with --runner local, or start Docker.",
-                file=sys.stderr,
-            )
+            print(no_daemon.format(str(e).splitlines()[0][:200]), file=sys.stderr)
             return 1
 
         def run(job: Job, task: dict, log_dir: Path) -> Grade:

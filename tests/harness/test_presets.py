@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eval.harnesses import HARNESSES, run_harness
+from eval.harnesses import run_harness
 
 URL = "http://127.0.0.1:9"  # nothing listens: the stand-ins never call it
 BINARIES = {"codex": "codex", "claude-code": "claude", "pi": "pi", "qwen-code": "qwen", "gemini": "gemini"}
@@ -36,7 +36,7 @@ def harness_sees(home: Path, workspace: Path) -> str:
     return "\n".join([(workspace / "env.txt").read_text(), *configs])
 
 
-@pytest.mark.parametrize("harness", list(HARNESSES))
+@pytest.mark.parametrize("harness", list(BINARIES))  # the npm CLIs; mini and shell: tests/eval
 def test_preset_wires_proxy_and_session_and_nothing_of_ours(harness, tmp_path, fake_bin, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-caller-secret")  # the caller's own key must not reach the harness
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
@@ -65,7 +65,7 @@ def test_preset_wires_proxy_and_session_and_nothing_of_ours(harness, tmp_path, f
 
 def test_json_configs_parse(tmp_path, fake_bin):
     """The settings files the presets write are valid JSON (a harness would ignore a broken one silently)."""
-    for harness in HARNESSES:
+    for harness in BINARIES:
         home = tmp_path / harness
         workspace = tmp_path / f"{harness}-ws"
         workspace.mkdir()
