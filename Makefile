@@ -25,8 +25,9 @@ DEMO_FLAGS = $(if $(MODEL),--model $(MODEL)) $(if $(HARNESS),--harness $(HARNESS
 demo: $(STAMP)
 	$(BIN)/python -m eval.demo $(DEMO_FLAGS)
 
+# Two workers, a test file each at a time (its module fixtures, servers and proxies, stay in one worker).
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 # Benchmarks, not tests: each prints a table and writes tests/bench/results/<name>.md and .json.
 bench: $(STAMP)
