@@ -10,6 +10,7 @@ captures give the same table (and file) byte for byte.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import multiprocessing
 import zlib
@@ -71,10 +72,18 @@ def reconstruct(
     files = discover(paths)
     stats.files = len(files)
     options = _Options(retokenizer, mode, on_drift, eot)
-    with CaptureIndex(files) as index:
+    with contextlib.ExitStack() as stack:
+        pool = None
+        if jobs > 1:
+            # spawn, not fork: polars' thread pool does not survive a fork. Started before the index pass, so the
+            # workers import while this process reads the files.
+            pool = stack.enter_context(ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")))
+            for _ in range(jobs):
+                pool.submit(_ready)
+        index = stack.enter_context(CaptureIndex(files))
         names = sorted(s for s in index.sessions if in_shard(s, shard))
         ticks = iter(progress(names)) if progress else iter(names)
-        if jobs == 1 or len(names) < 2:
+        if pool is None or len(names) < 2:
             frames, part = _build(index, names, sessions or {}, options, ticks)
             stats.add(part)
         else:
@@ -83,13 +92,11 @@ def reconstruct(
             size = max(1, len(names) // (jobs * 8))
             batches = [names[i : i + size] for i in range(0, len(names), size)]
             work = [(files, {s: index.sessions[s] for s in b}, {s: (sessions or {}).get(s, (None, None)) for s in b}, options) for b in batches]  # fmt: skip
-            # spawn, not fork: polars' thread pool does not survive a fork.
-            with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-                for batch, (batch_frames, part) in zip(batches, pool.map(_build_batch, work)):
-                    frames += batch_frames
-                    stats.add(part)
-                    for _ in batch:
-                        next(ticks, None)
+            for batch, (batch_frames, part) in zip(batches, pool.map(_build_batch, work)):
+                frames += batch_frames
+                stats.add(part)
+                for _ in batch:
+                    next(ticks, None)
         collections.deque(ticks, maxlen=0)  # finish the progress bar
         stats.lines = index.counts.lines
         stats.corrupt_lines += index.counts.corrupt  # found indexing here, and (single process) reading back
@@ -107,6 +114,10 @@ class _Options:
     mode: str
     on_drift: str
     eot: int | None
+
+
+def _ready() -> None:
+    """Nothing: a worker that runs it has imported this module, which is the point (see ``reconstruct``)."""
 
 
 def _build_batch(
