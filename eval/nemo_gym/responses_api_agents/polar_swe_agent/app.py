@@ -14,7 +14,7 @@ import asyncio
 from pathlib import Path
 from typing import Any, Optional
 
-from fastapi import Body, FastAPI
+from fastapi import Body, FastAPI, HTTPException
 from pydantic import ConfigDict
 
 from nemo_gym.base_resources_server import BaseRunRequest, BaseVerifyResponse
@@ -58,7 +58,11 @@ class PolarSWEAgent(SimpleResponsesAPIAgent):
         return app
 
     async def responses(self, body: NeMoGymResponseCreateParamsNonStreaming = Body()) -> NeMoGymResponse:
-        raise NotImplementedError("polar_swe_agent runs whole rollouts through /run; the harness owns the turns")
+        # Gym's agent interface has a single-turn route; this agent has no turns to give: the harness runs the
+        # whole session through the proxy. The caller gets a clear 501, not a server error.
+        raise HTTPException(
+            status_code=501, detail="polar_swe_agent runs whole rollouts: POST /run; single turns belong to the harness"
+        )
 
     async def run(self, body: PolarSWERunRequest = Body()) -> PolarSWEVerifyResponse:
         row: dict[str, Any] = body.model_dump(mode="json", exclude_unset=True)

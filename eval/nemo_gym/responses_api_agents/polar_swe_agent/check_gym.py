@@ -61,7 +61,11 @@ def main():
         head = BaseServerConfig(host="127.0.0.1", port=9)
         client = ServerClient(head_server_config=head, global_config_dict=OmegaConf.create({}))
         agent = app.PolarSWEAgent(config=config, server_client=client)
-        response = TestClient(agent.setup_webserver()).post("/run", json=rows[0])
+        web = TestClient(agent.setup_webserver())
+        single = web.post("/v1/responses", json=rows[0]["responses_create_params"])
+        if single.status_code != 501:  # no single turns: the harness owns them
+            sys.exit(f"/v1/responses answered {single.status_code}, expected 501: {single.text[:500]}")
+        response = web.post("/run", json=rows[0])
         if response.status_code != 200:
             sys.exit(f"/run answered {response.status_code}: {response.text[:2000]}")
         report["run"] = check_rollout(response.json())
