@@ -1,7 +1,7 @@
 """Trajectory Parquet in, packed micro-batches out: reading, checking and planning for train/grpo.py.
 
 ``load`` reads only the trainer's columns (``reconstruct.schema.TRAINER_COLUMNS``) and refuses bad input with
-a ``DataError`` that names the file, the row and what to fix. ``plan_steps`` splits sessions into optimizer
+a ``DataError`` that names the file, the row and what to fix. ``plan_steps`` splits task groups into optimizer
 steps, ``pack`` fills micro-batches up to a token budget (several traces in one row, no padding; the model
 tells them apart by their restarting position ids), ``balance`` hands micro-batches to ranks so that every rank
 runs the same number of forward/backward passes, and ``collate`` builds the tensors of one micro-batch.
@@ -43,8 +43,8 @@ class Rollout:
     """Every trace read, with its session. Index s: session (S of them), m: trace (M)."""
 
     session_ids: list[str]  # (S,)
-    task_ids: list[str]  # (S,)
-    reward: np.ndarray  # (S,) float64: shared by all the session's traces
+    task_ids: list[str]  # (S,) (None where load(require_task=False) kept a session without one)
+    reward: np.ndarray  # (S,) float64: shared by all the session's traces (NaN: none, under require_reward=False)
     trace_session: np.ndarray  # (M,) int: session index of each trace
     prompt: list[np.ndarray]  # M x (P_m,) int64
     response: list[np.ndarray]  # M x (R_m,) int64
@@ -89,8 +89,12 @@ def _lists(df: pl.DataFrame, column: str, dtype: type) -> list[np.ndarray]:
     return np.split(flat, np.cumsum(lengths)[:-1])
 
 
-def load(paths: Sequence[Path]) -> Rollout:
-    """Read and check trajectory files; sessions without a reward or a task id are dropped and counted."""
+def load(paths: Sequence[Path], *, require_reward: bool = True, require_task: bool = True) -> Rollout:
+    """Read and check trajectory files; sessions without a reward or a task id are dropped and counted.
+
+    ``require_reward=False`` / ``require_task=False`` (SFT, which needs neither) keep those sessions instead, with
+    reward NaN / task id None, and accept a table that has no reward / no task id at all.
+    """
     frames = []
     for path in paths:
         path = Path(path)
@@ -108,21 +112,23 @@ def load(paths: Sequence[Path]) -> Rollout:
     df = pl.concat(frames)
     if df.is_empty():
         raise DataError(f"{', '.join(map(str, paths))}: no trajectories")
-    if df["reward"].null_count() == len(df):
+    if require_reward and df["reward"].null_count() == len(df):
         raise DataError("no rewards joined: every trace has a null reward; join the graded results first (eval)")
     bad_reward = df.filter(pl.col("reward").is_not_null() & ~pl.col("reward").is_finite())
     if not bad_reward.is_empty():
         row = bad_reward.row(0, named=True)
         raise DataError(f"{row['_file']} row {row['_row']} (session {row['session_id']!r}): reward {row['reward']}")
-    if df["task_id"].null_count() == len(df):
+    if require_task and df["task_id"].null_count() == len(df):
         raise DataError("no task ids: every trace has a null task_id, so sessions cannot be grouped by task")
     _check_rows(df)
 
+    has_reward = pl.col("reward").is_not_null() | pl.lit(not require_reward)  # a null reward becomes NaN below
+    has_task = pl.col("task_id").is_not_null() | pl.lit(not require_task)
     dropped = {
-        "no_reward": df.filter(pl.col("reward").is_null())["session_id"].n_unique(),
-        "no_task": df.filter(pl.col("task_id").is_null() & pl.col("reward").is_not_null())["session_id"].n_unique(),
+        "no_reward": df.filter(~has_reward)["session_id"].n_unique(),
+        "no_task": df.filter(~has_task & has_reward)["session_id"].n_unique(),
     }
-    df = df.filter(pl.col("reward").is_not_null() & pl.col("task_id").is_not_null())
+    df = df.filter(has_reward & has_task)
     sessions = (
         df.group_by("session_id", maintain_order=True)
         .agg(pl.col("task_id").n_unique().alias("n_task"), pl.col("reward").n_unique().alias("n_reward"),
@@ -228,10 +234,16 @@ def make_traces(
     return traces, counts
 
 
-def plan_steps(sessions: Sequence[int], sessions_per_step: int, seed: int) -> list[list[int]]:
-    """Shuffle the sessions (seeded) and cut them into optimizer steps of ``sessions_per_step`` (last may be short)."""
-    order = np.random.default_rng(seed).permutation(np.asarray(sessions, dtype=np.int64))
-    return [order[i : i + sessions_per_step].tolist() for i in range(0, len(order), sessions_per_step)]
+def plan_steps(groups: Sequence[Sequence[int]], groups_per_step: int, seed: int) -> list[list[int]]:
+    """Optimizer steps of whole groups: shuffle the groups (seeded, never the sessions inside them) and cut them
+    into steps of ``groups_per_step`` (the last may be short). Returns each step's sessions, group by group.
+
+    A group never straddles two steps, so each step's advantages sum to zero group by group; split groups left
+    a net push up or down in every step (mean advantage +0.08 / -0.08 per step on 8 groups x 16 at 2 steps).
+    """
+    order = np.random.default_rng(seed).permutation(len(groups))
+    steps = [order[i : i + groups_per_step] for i in range(0, len(order), groups_per_step)]
+    return [[int(s) for g in step for s in groups[g]] for step in steps]
 
 
 def pack(lengths: Sequence[int], budget: int) -> list[list[int]]:

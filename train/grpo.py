@@ -8,21 +8,24 @@
 ``PeftModel.from_pretrained`` and vLLM (``--enable-lora``, ``POST /v1/load_lora_adapter``) load, with the
 config used (config.yaml, valid input for ``--config``) and one JSON line of metrics per step next to it.
 
-The objective, for an optimizer step over a set B of sessions (defaults: Polar's run, polar.md §4):
+The objective, for an optimizer step over a set B of sessions (each Config default says whether it is Polar's
+run, polar.md §4, or a deviation and why):
 1. Advantages. A group is every session of one task_id among the trajectories read. Session i gets
-   A_i = (r_i - mean_{j != i} r_j) / (std_g + 1e-6): leave-one-out baseline, one std per group
-   (``--no-scale-by-std`` drops the division, as Dr. GRPO). A group whose rewards are all equal is skipped
-   before any forward pass. Every sampled token (loss_mask 1) of the session's traces carries A_i.
+   A_i = (r_i - mean_{j != i} r_j) / (std_g + 1e-6): leave-one-out baseline, one sample std per group
+   (``--no-sample-std``: population std; ``--no-scale-by-std`` drops the division, as Dr. GRPO). A group whose
+   rewards are all equal is skipped before any forward pass. Every sampled token (loss_mask 1) of the session's
+   traces carries A_i. A step holds whole groups (``--groups-per-step`` of them), so its advantages sum to 0.
 2. Policies. pi_theta: the model with the adapter being trained. pi_old: the same at the start of this run;
    ratios are taken against it. pi_b: the engine that sampled (captured logprobs; a trace without them has
    pi_b = pi_old). pi_ref: the base model, i.e. the adapter disabled (no second copy).
 3. Clipped surrogate per token: rho = pi_theta / pi_old,
    l_t = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A), eps_low 0.2, eps_high 0.28.
 4. Truncated importance sampling: l_t <- min(pi_old / pi_b, tis_cap) * l_t, tis_cap 2 (None: off).
-5. KL to the base: l_t <- l_t + kl_coef * (e^d - d - 1), d = log pi_ref - log pi_theta (k3); kl_coef 0
-   by default, which skips the reference pass.
-6. Aggregation. A trace of a session cut into k traces weighs w = 1/k (the session counts once).
-   token_mean: L = sum_m w_m sum_t l_t / sum_m w_m n_m (n_m: trained tokens of trace m);
+5. KL to the base: l_t <- l_t + kl_coef * min(e^d - d - 1, 10), d = log pi_ref - log pi_theta (k3, clamped as
+   slime does); kl_coef 0 by default, which skips the reference pass.
+6. Aggregation. n_m: trained tokens of trace m; N_s: of all traces of session s.
+   session_mean (Polar): L = 1/|B| sum_s 1/N_s sum_{m in s} sum_t l_t, each session's token mean, then the mean;
+   token_mean (DAPO): L = sum_m w_m sum_t l_t / sum_m w_m n_m, with w = 1/k for a session cut into k traces;
    dr_grpo: L = sum_m w_m sum_t l_t / (|B| * dr_grpo_tokens).
 7. Lengths. A trace over max_len tokens is cut to a causal prefix (whole prompt, response end cut); one
    whose prompt alone is too long is skipped. Nothing is trimmed on the left.
@@ -81,39 +84,47 @@ class Config:
     save_every: int = 10
     """Write a resumable checkpoint to OUTPUT/checkpoint every this many optimizer steps (0: never)."""
     seed: int = 0
-    """Seeds the LoRA initialisation, the order of sessions and dropout."""
+    """Seeds the LoRA initialisation, the order of groups and dropout."""
 
     # ---- schedule
-    sessions_per_step: int = 64
-    """Sessions per optimizer step (Polar: 4 tasks x 16 samples); micro-batches accumulate up to it."""
+    groups_per_step: int = 4
+    """Polar: task groups per optimizer step (4 tasks x 16 samples), all sessions of a group in the same step;
+    micro-batches accumulate up to it. Groups without reward variance are skipped before the plan."""
     epochs: int = 1
-    """Passes over the trajectories."""
+    """Polar: passes over the trajectories (one step per rollout batch)."""
     max_steps: int | None = None
     """Stop after this many optimizer steps (default: all epochs)."""
 
     # ---- advantages and loss
     scale_by_std: bool = True
-    """Divide leave-one-out advantages by the group's reward std (--no-scale-by-std: Dr. GRPO)."""
-    loss_agg: Literal["token_mean", "dr_grpo"] = "token_mean"
-    """token_mean: mean over trained tokens; dr_grpo: per-session token sums / dr_grpo_tokens, mean over sessions."""
+    """Polar: divide leave-one-out advantages by the group's reward std (--no-scale-by-std: Dr. GRPO)."""
+    sample_std: bool = True
+    """Polar: that std is the sample std (ddof 1); --no-sample-std: the population std (1.155x larger advantages
+    at n = 4 samples, 1.03x at 16)."""
+    loss_agg: Literal["session_mean", "token_mean", "dr_grpo"] = "session_mean"
+    """Polar: session_mean, each session's token mean, then the mean over sessions; token_mean (DAPO): mean over
+    the step's trained tokens, so long sessions weigh more; dr_grpo: token sums / dr_grpo_tokens, mean over
+    sessions (no length normalisation)."""
     dr_grpo_tokens: int | None = None
     """The constant denominator of dr_grpo, in tokens (default: max_len)."""
     eps_low: float = 0.2
-    """Lower clip of the ratio: 1 - eps_low."""
+    """Polar: lower clip of the ratio, 1 - eps_low."""
     eps_high: float = 0.28
-    """Upper clip of the ratio: 1 + eps_high (clip-higher, DAPO)."""
+    """Polar: upper clip of the ratio, 1 + eps_high (clip-higher, DAPO)."""
     tis_cap: float | None = 2.0
-    """Cap C of the truncated importance weight min(pi_old / pi_sampler, C) (None: no correction)."""
+    """Polar (TIS on, slime's cap): C of the truncated importance weight min(pi_old / pi_sampler, C) (None: off)."""
     kl_coef: float = 0.0
-    """Weight of the k3 KL to the base model (adapter disabled); 0 skips the reference forward pass."""
+    """Deviation (Polar: 0.001): weight of the k3 KL to the base model (adapter disabled). 0 skips the reference
+    forward pass, a third more compute per step, while a low-rank adapter already bounds the drift."""
     temperature: float = 1.0
-    """Sampling temperature of the trajectories; logits are divided by it (capture processed log-probs then)."""
+    """Polar: sampling temperature of the trajectories; logits are divided by it (log-probs then match)."""
 
     # ---- lengths and memory
     max_len: int = 32768
-    """Tokens per trace (prompt + response); a longer trace loses its response end."""
+    """Deviation (Polar: 32k prompt + 16k response): tokens per trace; a longer trace loses its response end.
+    32k fits one 80 GB GPU's activations for a 4B model with checkpointing; raise it where memory allows."""
     micro_batch_tokens: int = 32768
-    """Tokens per forward pass: traces are packed into one row up to this budget, without padding."""
+    """Not in Polar (it packs 30k tokens per GPU): tokens per forward pass: traces are packed into one row up to this budget, without padding."""
     logprob_chunk: int = 512
     """Positions projected to the vocabulary at once: (chunk, vocab) logits are the most that ever exist."""
     gradient_checkpointing: bool = True
@@ -125,7 +136,8 @@ class Config:
 
     # ---- LoRA
     lora_r: int = 16
-    """LoRA rank (ignored with --adapter, which brings its own)."""
+    """Deviation (Polar trains all weights): LoRA rank, so that vLLM hot-loads the update (ignored with --adapter,
+    which brings its own)."""
     lora_alpha: int = 32
     """LoRA scaling numerator: the update is scaled by alpha / r."""
     lora_dropout: float = 0.0
@@ -135,15 +147,15 @@ class Config:
 
     # ---- optimizer
     lr: float = 1e-5
-    """AdamW learning rate (Polar's 1e-6 is for full weights; LoRA updates need more)."""
+    """Deviation (Polar: 1e-6 for full weights): AdamW learning rate; LoRA updates need about 10x more."""
     warmup_steps: int = 0
-    """Linear warm-up steps, then constant."""
+    """Polar: linear warm-up steps, then constant."""
     weight_decay: float = 0.1
-    """AdamW weight decay (Polar: 0.1)."""
+    """Polar: AdamW weight decay."""
     adam_betas: tuple[float, float] = (0.9, 0.98)
-    """AdamW betas (Polar: 0.9, 0.98)."""
+    """Polar: AdamW betas."""
     grad_clip: float | None = 1.0
-    """Clip the global gradient norm to this (None: no clipping; the norm is logged either way)."""
+    """Polar (slime's default): clip the global gradient norm to this (None: no clipping; the norm is logged)."""
     max_bad_steps: int = 3
     """Stop after this many consecutive steps with a non-finite loss or gradient (each one is skipped)."""
     allow_no_signal: bool = False
@@ -151,7 +163,7 @@ class Config:
     a demo or smoke run completes its loop whatever the rewards were."""
 
     def __post_init__(self) -> None:
-        positive = ("save_every", "sessions_per_step", "epochs", "max_len", "micro_batch_tokens", "logprob_chunk",
+        positive = ("save_every", "groups_per_step", "epochs", "max_len", "micro_batch_tokens", "logprob_chunk",
                     "lora_r", "lora_alpha", "max_bad_steps")  # fmt: skip
         for name in positive:
             if getattr(self, name) < (0 if name == "save_every" else 1):
@@ -304,7 +316,8 @@ def main(cfg: Config) -> None:
     # 1. Trajectories -> advantages per session -> trainable traces (usable groups, causal truncation)
     rollout = data.load(cfg.trajectories)
     group = np.unique(np.array(rollout.task_ids), return_inverse=True)[1]  # (S,)
-    adv, usable = losses.group_advantages(rollout.reward, group, scale_by_std=cfg.scale_by_std)  # (S,), (S,)
+    adv, usable = losses.group_advantages(rollout.reward, group, scale_by_std=cfg.scale_by_std,
+                                          sample_std=cfg.sample_std)  # (S,), (S,)
     n_groups, n_usable = len(np.unique(group)), len(np.unique(group[usable]))
     if n_usable == 0 and cfg.allow_no_signal:
         print0(f"no usable group: all {n_groups} groups have equal rewards (or one session); writing the starting "
@@ -325,11 +338,14 @@ def main(cfg: Config) -> None:
     if (top := max(int(t.tokens.max()) for t in traces)) >= vocab:
         raise DataError(f"token id {top} is outside the model's vocabulary ({vocab}): wrong --model for this data?")
 
-    # 3. Plan: sessions -> optimizer steps -> packed micro-batches per rank; optimizer, schedule
+    # 3. Plan: whole task groups -> optimizer steps -> packed micro-batches per rank; optimizer, schedule
     by_session: dict[int, list[Trace]] = defaultdict(list)
     for t in traces:
         by_session[t.session].append(t)
-    plan = data.plan_steps(sorted(by_session), cfg.sessions_per_step, cfg.seed)
+    by_group: dict[int, list[int]] = defaultdict(list)
+    for s in sorted(by_session):
+        by_group[int(group[s])].append(s)
+    plan = data.plan_steps([by_group[g] for g in sorted(by_group)], cfg.groups_per_step, cfg.seed)
     order = [list(range(len(plan)))] + [
         np.random.default_rng([cfg.seed, e]).permutation(len(plan)).tolist() for e in range(1, cfg.epochs)
     ]
@@ -376,7 +392,7 @@ def main(cfg: Config) -> None:
     if cfg.resume is not None:
         accelerator.load_state(str(cfg.resume), strict=False)  # the checkpoint holds only the adapter's weights
         if progress.plan != fingerprint:
-            raise ConfigError(f"{cfg.resume}: saved with other trajectories, seed, --sessions-per-step or process "
+            raise ConfigError(f"{cfg.resume}: saved with other trajectories, seed, --groups-per-step or process "
                               "count; resume with the same settings")  # fmt: skip
         print0(f"resumed from {cfg.resume} after step {progress.step}")
     if accelerator.is_main_process:
@@ -392,8 +408,8 @@ def main(cfg: Config) -> None:
                  **{f"data/dropped_sessions_{k}": v for k, v in rollout.dropped_sessions.items()},
                  **{f"data/skipped_traces_{k}": v for k, v in cut.items() if k != "truncated"}})  # fmt: skip
     print0(f"{len(rollout.session_ids)} sessions in {n_groups} groups ({n_groups - n_usable} skipped: equal "
-           f"rewards), {len(traces)} traces to train ({cut}); {len(schedule)} steps of <= {cfg.sessions_per_step} "
-           f"sessions on {world} process(es)")  # fmt: skip
+           f"rewards), {len(traces)} traces to train ({cut}); {len(schedule)} steps of <= {cfg.groups_per_step} "
+           f"groups on {world} process(es)")  # fmt: skip
 
     # 6. Steps: accumulate micro-batches, clip, update, log, checkpoint
     for k in range(progress.step, len(schedule)):
@@ -428,7 +444,8 @@ def main(cfg: Config) -> None:
                "optim/grad_norm": grad_norm, "optim/lr": scheduler.get_last_lr()[0],
                "optim/skipped": int(progress.bad_steps > 0), "reward/mean": float(r.mean()),
                "reward/std": float(r.std()), "reward/min": float(r.min()), "reward/max": float(r.max()),
-               "reward/adv_abs_mean": float(np.abs(adv[sessions]).mean()), "perf/step_s": seconds,
+               "reward/adv_abs_mean": float(np.abs(adv[sessions]).mean()),
+               "reward/adv_mean": float(adv[sessions].mean()), "perf/step_s": seconds,
                "perf/tokens": tokens, "perf/tokens_per_s": tokens / seconds}  # fmt: skip
         log.log(row)
         print0(f"step {k + 1}/{len(schedule)}  loss {loss:+.4f}  reward {r.mean():.3f}  "

@@ -24,6 +24,7 @@ __all__ = [
     "k3_kl",
     "no_importance",
     "ppo_clip_loss",
+    "session_mean_weights",
     "session_weights",
     "token_mean_weights",
     "truncate",
@@ -35,15 +36,16 @@ __all__ = [
 
 
 def group_advantages(
-    reward: np.ndarray, group: np.ndarray, *, scale_by_std: bool, eps: float = 1e-6
+    reward: np.ndarray, group: np.ndarray, *, scale_by_std: bool, sample_std: bool = True, eps: float = 1e-6
 ) -> tuple[np.ndarray, np.ndarray]:
     """Leave-one-out GRPO advantages: ``(adv, usable)``, both (S,).
 
     ``reward`` (S,) is each session's reward and ``group`` (S,) its group label (the task). For session i in a
-    group of n: ``adv_i = r_i - mean_{j != i} r_j``, divided by ``std_g + eps`` when ``scale_by_std`` (std_g is
-    the population std of the group's rewards: one std shared by the group, never a per-session one, which
-    exploded to ~1e6 for one success among failures in Polar's early code). A group whose rewards are all
-    equal (including a group of one) teaches nothing: ``usable`` is False and ``adv`` is 0 for its sessions.
+    group of n: ``adv_i = r_i - mean_{j != i} r_j``, divided by ``std_g + eps`` when ``scale_by_std``. std_g is
+    one std shared by the group (never a per-session one, which exploded to ~1e6 for one success among failures
+    in Polar's early code): the sample std (ddof 1, Polar's and torch's) or, with ``sample_std=False``, the
+    population std (ddof 0; smaller by sqrt((n-1)/n)). A group's advantages sum to 0. A group whose rewards are
+    all equal (including a group of one) teaches nothing: ``usable`` is False and ``adv`` is 0 for its sessions.
     """
     reward = np.asarray(reward, dtype=np.float64)  # (S,)
     group = np.asarray(group)  # (S,)
@@ -57,7 +59,7 @@ def group_advantages(
         baseline = (r.sum() - r) / (len(r) - 1)  # (n,) mean of the *other* sessions
         a = r - baseline
         if scale_by_std:
-            a = a / (r.std() + eps)
+            a = a / (r.std(ddof=1 if sample_std else 0) + eps)
         adv[idx] = a
         usable[idx] = True
     return adv, usable
@@ -106,8 +108,19 @@ def dr_grpo_weights(trace_session: np.ndarray, n_tokens: np.ndarray, norm_tokens
     return w / (len(np.unique(trace_session)) * norm_tokens)
 
 
+def session_mean_weights(trace_session: np.ndarray, n_tokens: np.ndarray, norm_tokens: int) -> np.ndarray:
+    """Polar's averaging (slime's per-sample mean; TRL's ``grpo``): each session's token mean, then the mean over
+    the step's S sessions. (M,) per-token weight ``1 / (S * N_s)``, N_s the trained tokens of all of session s's
+    traces, so a session counts once whatever its length. ``norm_tokens`` is unused.
+    """
+    _, inverse = np.unique(trace_session, return_inverse=True)
+    session_tokens = np.bincount(inverse, weights=n_tokens)  # (S,) N_s
+    return 1.0 / (len(session_tokens) * session_tokens[inverse])
+
+
 Aggregation = Callable[[np.ndarray, np.ndarray, int], np.ndarray]  # (trace_session, n_tokens, norm_tokens) -> (M,)
 AGGREGATIONS: dict[str, Aggregation] = {
+    "session_mean": session_mean_weights,
     "token_mean": token_mean_weights,
     "dr_grpo": dr_grpo_weights,
 }
@@ -144,13 +157,16 @@ def no_importance(old_logp: torch.Tensor, behav_logp: torch.Tensor) -> torch.Ten
     return torch.ones_like(old_logp)
 
 
-def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 estimator of KL(policy || reference) per token (N,): ``exp(d) - d - 1`` with ``d = ref - logp``.
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor, cap: float = 10.0) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(policy || reference) per token (N,): ``exp(d) - d - 1`` with ``d = ref - logp``,
+    clamped at ``cap`` (slime's 10).
 
-    Non-negative and unbiased on tokens sampled from the policy (http://joschu.net/blog/kl-approx.html).
+    Non-negative and unbiased on tokens sampled from the policy (http://joschu.net/blog/kl-approx.html). The clamp
+    matters where the policy has made a token far less likely than the reference did: exp(d) grows without bound
+    there, and one such token would dominate the step's gradient.
     """
     d = ref_logp - logp  # (N,)
-    return torch.exp(d) - d - 1.0
+    return (torch.exp(d) - d - 1.0).clamp(max=cap)
 
 
 def grpo_token_loss(

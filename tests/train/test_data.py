@@ -6,7 +6,7 @@ import pytest
 
 from reconstruct import schema
 from tests.train.helpers import groups, trace, write
-from train import data
+from train import data, losses
 
 
 def test_load_reads_sessions_rewards_and_traces(tmp_path):
@@ -104,11 +104,27 @@ def test_make_traces_truncates_causally_and_counts_what_it_skips(tmp_path):
     assert np.isnan(cut.behav_logp).all()  # not captured
 
 
-def test_plan_steps_is_a_seeded_partition():
-    plan = data.plan_steps(range(10), 4, seed=3)
-    assert [len(s) for s in plan] == [4, 4, 2]
-    assert sorted(sum(plan, [])) == list(range(10))
-    assert plan == data.plan_steps(range(10), 4, seed=3) != data.plan_steps(range(10), 4, seed=4)
+def test_plan_steps_keeps_groups_whole_in_a_seeded_partition():
+    groups = [[0, 1, 2], [3, 4], [5, 6, 7, 8], [9], [10, 11]]
+    plan = data.plan_steps(groups, 2, seed=3)
+    assert len(plan) == 3 and sorted(sum(plan, [])) == list(range(12))
+    for step in plan:  # each group lies wholly inside one step, in its own order
+        assert all(set(g) <= set(step) or not set(g) & set(step) for g in groups)
+    assert plan == data.plan_steps(groups, 2, seed=3)
+    assert {tuple(map(tuple, (sorted(s) for s in data.plan_steps(groups, 2, seed=k)))) for k in range(8)} != {
+        tuple(tuple(sorted(s)) for s in plan)}  # other seeds give other plans
+
+
+def test_every_steps_advantages_sum_to_zero():
+    """8 groups x 16 samples at 2 steps: sessions shuffled one by one put every group in both steps (mean advantage
+    +-0.08 per step); whole groups keep each step's advantages summing to 0."""
+    rng = np.random.default_rng(0)
+    group = np.repeat(np.arange(8), 16)  # (128,)
+    reward = (rng.random(128) < rng.random(8).repeat(16)).astype(float)
+    adv, usable = losses.group_advantages(reward, group, scale_by_std=True)
+    groups = [np.flatnonzero((group == g) & usable).tolist() for g in range(8)]
+    for step in data.plan_steps([g for g in groups if g], 4, seed=0):
+        assert abs(adv[step].sum()) < 1e-9
 
 
 def test_pack_fills_bins_up_to_the_budget():

@@ -23,7 +23,7 @@ PEFT_WARNING = "ignore:.*is_gradient_checkpointing:FutureWarning"  # peft reads 
 def make_config(tmp_path, model_dir, rows, **overrides) -> grpo.Config:
     path = write(tmp_path / "trajectories.parquet", rows) if rows is not None else tmp_path / "trajectories.parquet"
     values = dict(trajectories=(path,), model=str(model_dir), output=tmp_path / "out", max_len=48,
-                  micro_batch_tokens=48, sessions_per_step=4, lr=1e-2, lora_r=4, lora_alpha=8,
+                  micro_batch_tokens=48, groups_per_step=2, lr=1e-2, lora_r=4, lora_alpha=8,
                   save_every=0)  # fmt: skip
     return grpo.Config(**{**values, **overrides})
 
@@ -42,7 +42,7 @@ def rows_of(path) -> list[dict]:
 @pytest.mark.parametrize(
     ("override", "message"),
     [({"max_len": 100, "micro_batch_tokens": 50}, "must fit"), ({"eps_low": 1.0}, "eps-low"),
-     ({"tis_cap": 0.0}, "tis-cap"), ({"sessions_per_step": 0}, "sessions-per-step"), ({"max_steps": 0}, "max-steps"),
+     ({"tis_cap": 0.0}, "tis-cap"), ({"groups_per_step": 0}, "groups-per-step"), ({"max_steps": 0}, "max-steps"),
      ({"lora_dropout": 1.0}, "lora-dropout"), ({"grad_clip": 0.0}, "grad-clip")],
 )  # fmt: skip
 def test_config_refuses_settings_that_cannot_work(tmp_path, override, message):
@@ -103,9 +103,12 @@ def test_packed_micro_batch_log_probs_equal_each_trace_on_its_own(tmp_path, tiny
     assert not torch.allclose(logp, ref_logp, atol=1e-3)
 
 
-def test_step_loss_equals_a_hand_written_reference(tmp_path, tiny_model_dir):
-    """Clip (both sides), IS cap, a missing capture, masks, truncation, session weighting, LOO advantages and a
-    skipped group, through the real path (load, plan, pack into several micro-batches, forward, loss)."""
+@pytest.mark.parametrize(("loss_agg", "sample_std"),
+                         [("session_mean", True), ("token_mean", False), ("dr_grpo", True)])  # fmt: skip
+def test_step_loss_equals_a_hand_written_reference(tmp_path, tiny_model_dir, loss_agg, sample_std):
+    """Clip (both sides), IS cap, a missing capture, masks, truncation, session weighting, LOO advantages with
+    either std and a skipped group, through the real path (load, plan, pack into several micro-batches, forward,
+    loss), for each averaging."""
     rows = [
         # task a: a-0 is split into two traces; rewards 1, 0, 0
         trace(session="a-0", task="a", prompt=[11, 12, 13], response=[14, 15, 16, 17], mask=[1, 0, 1, 1],
@@ -123,8 +126,8 @@ def test_step_loss_equals_a_hand_written_reference(tmp_path, tiny_model_dir):
         trace(session="c-1", task="c", prompt=[70, 71], response=[72, 73], mask=[0, 1], logprobs=[0.0, -8.0],
               reward=0.0),
     ]  # fmt: skip
-    cfg = make_config(tmp_path, tiny_model_dir, rows, max_len=10, micro_batch_tokens=12, sessions_per_step=99,
-                      logprob_chunk=3)  # fmt: skip
+    cfg = make_config(tmp_path, tiny_model_dir, rows, max_len=10, micro_batch_tokens=12, groups_per_step=99,
+                      logprob_chunk=3, loss_agg=loss_agg, sample_std=sample_std, dr_grpo_tokens=7)  # fmt: skip
     policy = grpo.load_policy(cfg, "no")
     for name, p in policy.named_parameters():
         if "lora_B" in name:
@@ -136,7 +139,7 @@ def test_step_loss_equals_a_hand_written_reference(tmp_path, tiny_model_dir):
     # -- the trainer's path
     rollout = data.load(cfg.trajectories)
     group = np.unique(np.array(rollout.task_ids), return_inverse=True)[1]
-    adv, usable = losses.group_advantages(rollout.reward, group, scale_by_std=True)
+    adv, usable = losses.group_advantages(rollout.reward, group, scale_by_std=True, sample_std=sample_std)
     traces, cut = data.make_traces(rollout, adv, usable, cfg.max_len)
     assert cut == {"truncated": 1, "prompt_too_long": 0, "nothing_trained": 0, "zero_std": 2}
     mbs = grpo.rank_micro_batches(traces, cfg, losses.AGGREGATIONS[cfg.loss_agg], rank=0, world=1)
@@ -151,10 +154,12 @@ def test_step_loss_equals_a_hand_written_reference(tmp_path, tiny_model_dir):
         total += grpo.accumulate(accelerator, policy, mb, old, cfg, importance, runtime.StepStats())
 
     # -- by hand: every trace on its own through the plain model, every token in a Python loop
-    std_a, std_c = math.sqrt(2 / 9), 0.5
+    # rewards a: 1, 0, 0 (squared deviations 6/9), c: 1, 0 (1/2); sample std divides by n - 1, population by n
+    std_a, std_c = (math.sqrt(6 / 9 / 2), math.sqrt(1 / 2)) if sample_std else (math.sqrt(6 / 9 / 3), 0.5)
     advantage = {"a-0": 1 / std_a, "a-1": -0.5 / std_a, "a-2": -0.5 / std_a, "c-0": 1 / std_c, "c-1": -1 / std_c}
     traces_of = {"a-0": 2, "a-1": 1, "a-2": 1, "c-0": 1, "c-1": 1}
     num = den = 0.0
+    session_sum, session_tokens = dict.fromkeys(advantage, 0.0), dict.fromkeys(advantage, 0)
     for row in rows:
         s = row["session_id"]
         if s not in advantage:
@@ -174,9 +179,16 @@ def test_step_loss_equals_a_hand_written_reference(tmp_path, tiny_model_dir):
             pg = -min(ratio * a, min(max(ratio, 0.8), 1.28) * a)
             is_w = 1.0 if row["logprobs"] is None else min(math.exp(old - row["logprobs"][j]), 2.0)
             num += w * is_w * pg
+            session_sum[s] += is_w * pg
             n += 1
         den += w * n
-    assert total == pytest.approx(num / den, rel=1e-5)
+        session_tokens[s] += n
+    expected = {
+        "token_mean": num / den,  # every trained token alike, a split session's traces sharing one weight
+        "session_mean": sum(session_sum[s] / session_tokens[s] for s in advantage) / len(advantage),
+        "dr_grpo": num / (len(advantage) * 7),
+    }[loss_agg]
+    assert total == pytest.approx(expected, rel=1e-5)
 
 
 # ---- whole runs
@@ -187,7 +199,7 @@ def test_a_run_writes_a_peft_adapter_that_changes_the_model(tmp_path, tiny_model
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    cfg = make_config(tmp_path, tiny_model_dir, groups({"a": [1, 0, 0, 1], "b": [0, 1, 0, 0]}), sessions_per_step=4)
+    cfg = make_config(tmp_path, tiny_model_dir, groups({"a": [1, 0, 0, 1], "b": [0, 1, 0, 0]}), groups_per_step=1)
     grpo.main(cfg)
     out = cfg.output
     assert {"adapter_config.json", "adapter_model.safetensors", "config.yaml", "metrics.jsonl"} <= {
@@ -208,6 +220,9 @@ def test_a_run_writes_a_peft_adapter_that_changes_the_model(tmp_path, tiny_model
     for key in ("loss/total", "policy/clip_frac_low", "policy/approx_kl", "policy/entropy", "sampling/is_weight_mean",
                 "optim/grad_norm", "perf/tokens_per_s", "reward/mean"):  # fmt: skip
         assert math.isfinite(metrics[1][key]), key
+    # one whole group per step: each step's advantages sum to 0, and the reward mean is that group's own
+    assert [abs(r["reward/adv_mean"]) < 1e-9 for r in metrics[1:]] == [True, True]
+    assert sorted(r["reward/mean"] for r in metrics[1:]) == [0.25, 0.5]
 
     ids = torch.tensor([[5, 9, 300, 41, 7, 7, 12]])
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -249,10 +264,10 @@ def test_allow_no_signal_writes_the_starting_adapter(tmp_path, tiny_model_dir):
 
 def test_resume_gives_the_same_adapter_as_an_uninterrupted_run(tmp_path, tiny_model_dir, monkeypatch):
     rows = groups({"a": [1, 0, 0, 1, 0], "b": [0, 1, 0.5, 0, 0], "c": [1, 1, 0, 0]}, traces=2)
-    whole = make_config(tmp_path / "whole", tiny_model_dir, rows, sessions_per_step=3, save_every=2, warmup_steps=3,
-                        lora_dropout=0.1)  # fmt: skip
+    whole = make_config(tmp_path / "whole", tiny_model_dir, rows, groups_per_step=2, epochs=3, max_steps=5,
+                        save_every=2, warmup_steps=3, lora_dropout=0.1)  # fmt: skip
     grpo.main(whole)
-    assert len(rows_of(whole.output / "metrics.jsonl")) == 6  # step 0 + 5 steps
+    assert len(rows_of(whole.output / "metrics.jsonl")) == 6  # step 0 + 5 steps (2 per epoch)
 
     broken = dataclasses.replace(whole, output=tmp_path / "broken" / "out")
     real, calls = grpo.accumulate, []
@@ -282,7 +297,7 @@ def test_resume_gives_the_same_adapter_as_an_uninterrupted_run(tmp_path, tiny_mo
 
 def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, tiny_model_dir, monkeypatch):
     cfg = make_config(tmp_path, tiny_model_dir, groups({"a": [1, 0, 0, 1], "b": [0, 1, 0, 0], "c": [1, 0, 0, 0]}),
-                      max_bad_steps=2)  # fmt: skip
+                      groups_per_step=1, max_bad_steps=2)  # fmt: skip
     real = losses.grpo_token_loss
 
     def nan_after_step_one(*args, **kwargs):
@@ -326,7 +341,7 @@ def test_options_kl_dr_grpo_epochs_and_a_starting_adapter(tmp_path, tiny_model_d
     first = make_config(tmp_path / "first", tiny_model_dir, rows)
     grpo.main(first)
     cfg = make_config(tmp_path / "second", tiny_model_dir, rows, adapter=first.output, kl_coef=0.5,
-                      loss_agg="dr_grpo", epochs=2, tis_cap=None, scale_by_std=False, gradient_checkpointing=False,
+                      loss_agg="dr_grpo", groups_per_step=1, epochs=2, tis_cap=None, scale_by_std=False, gradient_checkpointing=False,
                       grad_clip=None, temperature=0.8)  # fmt: skip
     grpo.main(cfg)
     metrics = rows_of(cfg.output / "metrics.jsonl")

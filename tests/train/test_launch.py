@@ -25,11 +25,11 @@ def free_port() -> int:
 
 @pytest.mark.slow
 def test_accelerate_launch_and_two_processes_agree(tmp_path, tiny_model_dir):
-    # 3 sessions per step over 2 processes: one rank runs a padding pass in some steps.
+    # 1 group per step (4, 3 and 2 sessions) over 2 processes: one rank runs a padding pass in some steps.
     rows = groups({"a": [1, 0, 0, 1], "b": [0, 1, 0.5], "c": [1, 0]}, traces=2)
     trajectories = write(tmp_path / "t.parquet", rows)
     args = ["train/grpo.py", "--trajectories", str(trajectories), "--model", str(tiny_model_dir),
-            "--sessions-per-step", "3", "--max-len", "32", "--micro-batch-tokens", "32", "--lr", "0.01",
+            "--groups-per-step", "1", "--max-len", "32", "--micro-batch-tokens", "32", "--lr", "0.01",
             "--lora-r", "4", "--save-every", "0"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     bin_dir = Path(sys.executable).parent

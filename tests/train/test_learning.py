@@ -50,7 +50,7 @@ def train_rounds(tmp_path: Path, model_dir: Path, rewards: dict[int, float], rou
     for r in range(rounds):
         rows = sample_rows(answer_logprobs(model_dir, adapter), rewards, rng, per_task=12)
         cfg = grpo.Config(trajectories=(write(tmp_path / f"round{r}.parquet", rows),), model=str(model_dir),
-                          output=tmp_path / f"adapter{r}", adapter=adapter, sessions_per_step=len(rows), lr=0.1,
+                          output=tmp_path / f"adapter{r}", adapter=adapter, groups_per_step=len(rows), lr=0.1,
                           lora_r=8, lora_alpha=16, max_len=16, micro_batch_tokens=256, save_every=0)  # fmt: skip
         with contextlib.redirect_stdout(io.StringIO()):
             grpo.main(cfg)

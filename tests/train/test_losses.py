@@ -12,7 +12,7 @@ from train import losses
 def test_leave_one_out_advantages_with_one_std_per_group():
     reward = np.array([1.0, 0.0, 0.0, 0.5, 0.5, 2.0, 0.0, 1.0])
     group = np.array([0, 0, 0, 1, 1, 2, 3, 3])
-    adv, usable = losses.group_advantages(reward, group, scale_by_std=True, eps=0.0)
+    adv, usable = losses.group_advantages(reward, group, scale_by_std=True, sample_std=False, eps=0.0)
     std0 = math.sqrt(2 / 9)  # population std of [1, 0, 0]
     # group 0: baselines 0, 0.5, 0.5; group 1 equal rewards and group 2 a single session: skipped; group 3: +-1 / 0.5
     np.testing.assert_allclose(adv, [1 / std0, -0.5 / std0, -0.5 / std0, 0, 0, 0, -2, 2])
@@ -25,11 +25,22 @@ def test_advantages_without_std_are_reward_minus_the_others_mean():
     assert usable.all()
 
 
+def test_sample_or_population_std():
+    reward, group = np.array([1.0, 0.0, 0.0, 0.0]), np.zeros(4, dtype=int)
+    sample, _ = losses.group_advantages(reward, group, scale_by_std=True, eps=0.0)
+    population, _ = losses.group_advantages(reward, group, scale_by_std=True, sample_std=False, eps=0.0)
+    raw, _ = losses.group_advantages(reward, group, scale_by_std=False)
+    np.testing.assert_allclose(sample, raw / math.sqrt(0.75 / 3))  # squared deviations 0.75 over n - 1
+    np.testing.assert_allclose(population, raw / math.sqrt(0.75 / 4))
+    np.testing.assert_allclose(population / sample, math.sqrt(4 / 3))  # 1.155 at n = 4
+    assert abs(sample.sum()) < 1e-12
+
+
 def test_one_success_among_failures_stays_bounded():
     # Polar's early per-trajectory std turned this into ~1e6; one std per group gives ~4.
     reward = np.array([1.0] + [0.0] * 15)
     adv, _ = losses.group_advantages(reward, np.zeros(16, dtype=int), scale_by_std=True)
-    std = math.sqrt(15) / 16
+    std = math.sqrt((15 / 16) / 15)  # sample std: squared deviations 15/16 over n - 1 = 15
     np.testing.assert_allclose(adv[0], 1 / (std + 1e-6))
     np.testing.assert_allclose(adv[1:], -(1 / 15) / (std + 1e-6))
     assert np.abs(adv).max() < 5
@@ -60,7 +71,16 @@ def test_token_mean_weights():
 def test_dr_grpo_weights_divide_by_sessions_times_a_constant():
     w = losses.dr_grpo_weights(np.array([0, 0, 1]), np.array([2, 4, 3]), norm_tokens=10)
     np.testing.assert_allclose(w, [0.5 / 20, 0.5 / 20, 1 / 20])
-    assert set(losses.AGGREGATIONS) == {"token_mean", "dr_grpo"}
+    assert set(losses.AGGREGATIONS) == {"session_mean", "token_mean", "dr_grpo"}
+
+
+def test_session_mean_weights_are_each_sessions_token_mean_then_the_mean_over_sessions():
+    # session 0: traces of 2 and 4 tokens (6 in all); session 1: one trace of 3 tokens
+    w = losses.session_mean_weights(np.array([0, 0, 1]), np.array([2, 4, 3]), norm_tokens=999)
+    np.testing.assert_allclose(w, [1 / (2 * 6), 1 / (2 * 6), 1 / (2 * 3)])
+    per_token_loss = {0: [1.0, 1.0], 1: [4.0, 4.0, 4.0, 4.0], 2: [7.0, 7.0, 7.0]}  # trace -> its tokens' terms
+    loss = sum(w[m] * sum(terms) for m, terms in per_token_loss.items())
+    assert loss == pytest.approx(((2 * 1 + 4 * 4) / 6 + 7) / 2)  # (mean of session 0 + mean of session 1) / 2
 
 
 def test_ppo_clip_is_asymmetric_and_stops_gradients_only_where_clipped():
@@ -84,6 +104,14 @@ def test_truncated_importance_caps_and_treats_missing_log_probs_as_on_policy():
     np.testing.assert_allclose(w, [2.0, 0.5, 1.0], rtol=1e-6)
     assert not w.requires_grad
     assert losses.no_importance(old, behav).tolist() == [1.0, 1.0, 1.0]
+
+
+def test_k3_kl_is_clamped_where_the_policy_left_the_reference_far_behind():
+    logp, ref = torch.tensor([-20.0, -1.0]), torch.tensor([-1.0, -1.0])  # d = 19: e^19 - 20 would be 1.8e8
+    np.testing.assert_allclose(losses.k3_kl(logp, ref), [10.0, 0.0])
+    logp.requires_grad_(True)
+    losses.k3_kl(logp, ref).sum().backward()
+    assert logp.grad[0] == 0  # a clamped token pushes nothing
 
 
 def test_k3_kl():
