@@ -31,6 +31,7 @@ __all__ = [
     "make_traces",
     "pack",
     "plan_steps",
+    "rank_micro_batches",
 ]
 
 
@@ -274,6 +275,16 @@ def balance(bin_tokens: Sequence[int], world: int) -> list[list[int | None]]:
         load[r] += bin_tokens[b]
     n = max(len(r) for r in ranks)
     return [r + [None] * (n - len(r)) for r in ranks]
+
+
+def rank_micro_batches(step_traces: Sequence[Trace], weights: np.ndarray, budget: int, rank: int,
+                       world: int) -> list[MicroBatch]:  # fmt: skip
+    """This rank's micro-batches of one optimizer step (the same count on every rank): the step's traces packed
+    into ``budget``-token rows, dealt over ``world`` ranks; ``weights`` (M,) is each trace's per-token loss weight."""
+    bins = pack([len(t.tokens) for t in step_traces], budget)
+    dealt = balance([sum(len(step_traces[i].tokens) for i in b) for b in bins], world)[rank]
+    return [collate([step_traces[i] for i in bins[b]], weights[bins[b]]) if b is not None else collate([], [])
+            for b in dealt]  # fmt: skip
 
 
 def collate(traces: Sequence[Trace], weights: Sequence[float]) -> MicroBatch:

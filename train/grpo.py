@@ -51,7 +51,6 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-import tyro
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 
@@ -293,10 +292,7 @@ def rank_micro_batches(step_traces: list[Trace], cfg: Config, aggregate: losses.
     sessions = np.array([t.session for t in step_traces])  # (M,)
     n_trained = np.array([len(t.trained) for t in step_traces])  # (M,)
     weight = aggregate(sessions, n_trained, cfg.dr_grpo_tokens or cfg.max_len)  # (M,) per-token weight of each trace
-    bins = data.pack([len(t.tokens) for t in step_traces], cfg.micro_batch_tokens)
-    dealt = data.balance([sum(len(step_traces[i].tokens) for i in b) for b in bins], world)[rank]
-    return [data.collate([step_traces[i] for i in bins[b]], weight[bins[b]]) if b is not None
-            else data.collate([], []) for b in dealt]  # fmt: skip
+    return data.rank_micro_batches(step_traces, weight, cfg.micro_batch_tokens, rank, world)
 
 
 # ---- the run
@@ -483,16 +479,7 @@ def save_untrained(accelerator: Accelerator, cfg: Config, row: dict[str, Any]) -
 
 def parse(argv: Sequence[str] | None = None) -> Config:
     """tyro over Config; ``--config FILE.yaml`` supplies values first, so flags on the command line win."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
-    if "--config" in argv[:-1]:
-        path = argv[argv.index("--config") + 1]
-    try:
-        fields = {f.name for f in dataclasses.fields(Config)}
-        prefix = runtime.yaml_args(Path(path), fields) if path not in (None, "None") else []
-    except (OSError, ValueError) as e:
-        raise ConfigError(str(e)) from e
-    return tyro.cli(Config, args=prefix + argv)
+    return runtime.parse_config(Config, argv, ConfigError)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,14 @@ import dataclasses
 import json
 import math
 import shutil
+import sys
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+import tyro
 import yaml
 from accelerate import Accelerator
 
@@ -30,6 +33,7 @@ __all__ = [
     "StepStats",
     "config_yaml",
     "keep_trainable_weights",
+    "parse_config",
     "save_adapter",
     "save_checkpoint",
     "yaml_args",
@@ -203,3 +207,21 @@ def yaml_args(path: Path, fields: set[str]) -> list[str]:
         else:
             args += [flag, str(value)]
     return args
+
+
+C = TypeVar("C")
+
+
+def parse_config(cls: type[C], argv: Sequence[str] | None, error: type[Exception]) -> C:
+    """tyro over the config dataclass ``cls``; ``--config FILE.yaml`` supplies values first, so flags on the
+    command line win. A YAML file that cannot be read, or that names unknown fields, raises ``error``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if "--config" in argv[:-1]:
+        path = argv[argv.index("--config") + 1]
+    try:
+        fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        prefix = yaml_args(Path(path), fields) if path not in (None, "None") else []
+    except (OSError, ValueError) as e:
+        raise error(str(e)) from e
+    return tyro.cli(cls, args=prefix + argv)

@@ -163,3 +163,19 @@ def test_collate_packs_traces_into_one_row_with_restarting_positions():
     assert mb.behav_logp[1].isnan() and mb.behav_logp[[0, 2]].tolist() == [-1.0, -2.0]
     pad = data.collate([], [])
     assert pad.input_ids.shape == (1, 2) and len(pad.sel) == 0
+
+
+def test_load_can_keep_sessions_without_reward_or_task_for_sft(tmp_path):
+    rows = [trace(session="a"), trace(session="b", reward=None), trace(session="c", task=None),
+            trace(session="d", reward=None, task=None)]  # fmt: skip
+    path = write(tmp_path / "t.parquet", rows)
+    rollout = data.load([path], require_reward=False, require_task=False)
+    assert rollout.session_ids == ["a", "b", "c", "d"]
+    assert rollout.task_ids == ["t0", "t0", None, None]
+    np.testing.assert_array_equal(rollout.reward, [1.0, np.nan, 1.0, np.nan])
+    assert rollout.dropped_sessions == {"no_reward": 0, "no_task": 0}
+    assert data.load([path], require_task=False).session_ids == ["a", "c"]
+    assert data.load([path], require_reward=False).session_ids == ["a", "b"]
+    assert data.load([path]).session_ids == ["a"]  # the default is GRPO's: both required
+    nothing = write(tmp_path / "n.parquet", [trace(reward=None, task=None)])
+    assert data.load([nothing], require_reward=False, require_task=False).session_ids == ["s0"]
