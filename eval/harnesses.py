@@ -78,6 +78,7 @@ class Setup:
     tools: tuple[str, ...] | None  # only these built-in tools; None: the harness's default set
     max_tokens: int | None  # output cap per model call; None: the harness's default
     command: str | None  # the shell preset's command line, with {instruction} where the prompt goes
+    max_turns: int | None = None  # model calls per session at most (mini only); None: the harness's default
 
 
 # A preset writes its config files under setup.home and returns (argv, extra environment).
@@ -212,6 +213,8 @@ def _mini(s: Setup) -> tuple[list[str], dict[str, str]]:
     argv += ["--model", s.model, "--workspace", str(s.workspace), "--prompt-file", str(prompt_file)]
     if s.max_tokens is not None:
         argv += ["--max-tokens", str(s.max_tokens)]
+    if s.max_turns is not None:
+        argv += ["--max-steps", str(s.max_turns)]
     return argv, {}
 
 
@@ -277,6 +280,7 @@ def run_harness(
     timeout: float = 300.0,
     tools: Sequence[str] | None = None,
     max_tokens: int | None = None,
+    max_turns: int | None = None,
     command: str | None = None,
     home: Path | None = None,
     bin_dir: Path | None = None,
@@ -306,7 +310,10 @@ def run_harness(
             tools=tuple(tools) if tools is not None else None,
             max_tokens=max_tokens,
             command=command,
+            max_turns=max_turns,
         )
+        if max_turns is not None and harness != "mini":
+            raise ValueError(f"{harness} has no setting for max_turns (only mini has)")
         argv, extra = preset(setup)
         env = base_env(setup.home, bin_dir) | extra
         argv = [shutil.which(argv[0], path=env["PATH"]) or argv[0], *argv[1:]]

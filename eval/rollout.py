@@ -85,6 +85,8 @@ class Args:
     """Only these of the harness's built-in tools (its own names); default: all."""
     max_tokens: int | None = None
     """Output tokens per model call; default: the harness's own cap."""
+    max_turns: int | None = None
+    """Model calls per session at most (mini only); default: the harness's own limit."""
     # ---- limits
     concurrency: int = 1
     """Sessions at a time."""
@@ -108,6 +110,8 @@ class Args:
             raise ValueError("--command goes with --harness shell, and --harness shell needs --command")
         if self.command is not None and "{instruction}" not in self.command:
             raise ValueError(f"--command must contain {{instruction}}, where the task goes: {self.command!r}")
+        if self.max_turns is not None and (self.harness != "mini" or self.max_turns < 1):
+            raise ValueError(f"--max-turns is a positive limit of the mini harness, got {self.max_turns} for {self.harness}")
         if self.transparent and self.harness not in NPM_HARNESSES:
             raise ValueError(f"--transparent runs the npm harnesses ({', '.join(sorted(NPM_HARNESSES))}), not {self.harness}")
         if self.transparent and not (self.ca_cert and self.ca_cert.is_file()):
@@ -195,7 +199,8 @@ def roll_out(job: Job, args: Args, work_root: Path, logs: Path) -> dict[str, Any
                 assert args.ca_cert is not None
                 run = run_transparent(args.harness, instruction(job.task), proxy_url=args.proxy, ca_cert=args.ca_cert, **common)
             else:
-                run = run_harness(args.harness, instruction(job.task), base_url=args.proxy, command=args.command, **common)
+                run = run_harness(args.harness, instruction(job.task), base_url=args.proxy, command=args.command,
+                                  max_turns=args.max_turns, **common)  # fmt: skip
         except Exception as e:  # checkout or launch: the harness never ran
             row["error"] = f"{type(e).__name__}: {e}"[-ERROR_TAIL:]
             (log_dir / "setup_error.txt").write_text(traceback.format_exc())

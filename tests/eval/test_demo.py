@@ -1,9 +1,10 @@
 """eval/demo.py end to end on the tiny model: the run folder it writes, the summary's numbers against those files,
-and a Ctrl-C that leaves no process behind.
+learning measured through the whole loop, and a Ctrl-C that leaves no process behind.
 
-The reference server replays a script so that rewards differ within the task's group and GRPO takes real steps:
-each session reads the file, then its bash call fixes the bug only in the checkouts of samples 0 and 2 (the
-checkout's folder ends with the session id, whose last part is the sample), then answers.
+The reference server replays a script per session so that rewards differ within the trained task's group: in
+samples 0 and 2 the bash call fixes the bug, the other samples answer that they cannot. Replies are teacher-forced,
+so each stage's captures hold the served policy's log-probs of the same tokens: GRPO must raise those of the
+rewarded reply and lower those of the unrewarded one, as the next stage's captures show.
 """
 
 import json
@@ -14,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 import psutil
 import pytest
@@ -23,24 +25,22 @@ from eval.runs import read_rewards, read_sessions
 from reconstruct import schema
 
 ROOT = Path(__file__).resolve().parents[2]
-TASK = "polar-toy__pager-1"
-SAMPLES = 4
-FIX = "sed -i 's|return total // per_page|return (total + per_page - 1) // per_page|' pager/paging.py"
-SCRIPT = [
-    {"content": None, "reasoning": "Read the code first.",
-     "tool_calls": [{"name": "bash", "arguments": {"command": "cat pager/paging.py"}}]},
-    {"content": "Fixing page_count.",
-     "tool_calls": [{"name": "bash", "arguments": {"command": f"case $PWD in *[02]/repo) {FIX};; esac"}}]},
-    {"content": "page_count now counts the last, partial page.", "tool_calls": []},
-]  # fmt: skip
-CALLS_PER_SESSION = len(SCRIPT)
+TASK, HELDOUT, TEACH = "polar-toy__retries-1", "polar-toy__units-1", "polar-toy__greeting-1"
+SAMPLES, HELDOUT_SAMPLES = 4, 2
+FIX = [{"content": None, "tool_calls": [{"name": "bash", "arguments": {"command": "sed -i 's/= 3/= 5/' client/policy.py"}}]},
+       {"content": "The retry limit is now 5.", "tool_calls": []}]  # fmt: skip
+GIVE_UP = [{"content": "I cannot fix this.", "tool_calls": []}]
+SCRIPT = {"*retries-1-[02]": FIX, "*": GIVE_UP}
+STAGES = ["base", "sft", "grpo1"]
 
 
 def demo_command(model: Path, tmp: Path) -> list[str]:
     script = tmp / "script.json"
     script.write_text(json.dumps(SCRIPT))
-    return [sys.executable, "-m", "eval.demo", "--model", str(model), "--script", str(script), "--tasks", TASK,
-            "--samples", str(SAMPLES), "--steps", "2", "--max-tokens", "None", "--out", str(tmp / "runs")]  # fmt: skip
+    return [sys.executable, "-m", "eval.demo", "--model", str(model), "--script", str(script), "--teach", TEACH,
+            "--tasks", TASK, "--heldout", HELDOUT, "--samples", str(SAMPLES), "--heldout-samples",
+            str(HELDOUT_SAMPLES), "--rounds", "1", "--sft-steps", "2", "--sft-lr", "0.01", "--lr", "0.02", "--max-tokens", "None",
+            "--threads", "1", "--out", str(tmp / "runs")]  # fmt: skip
 
 
 def fast_demo_run(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Path:
@@ -50,7 +50,7 @@ def fast_demo_run(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Path
     if finished:
         return finished[0].parent
     base.mkdir(exist_ok=True)
-    done = subprocess.run(demo_command(model, base), check=False, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    done = subprocess.run(demo_command(model, base), check=False, cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     (base / "stdout.txt").write_text(done.stdout)
     return next(base.glob("runs/*/summary.json")).parent
@@ -68,44 +68,66 @@ def records(folder: Path) -> list[dict]:
 @pytest.mark.slow
 def test_demo_writes_the_run_folder_and_its_summary_agrees_with_the_files(demo_run):
     run = demo_run
-    for path in ("summary.json", "report.html", "logs/server.log", "logs/mitmdump-before.log", "logs/mitmdump-after.log",
-                 "trajectories.parquet", "trajectories.stats.json", "trajectories.after.parquet",
-                 "adapter/adapter_config.json", "adapter/adapter_model.safetensors", "adapter/config.yaml",
-                 "adapter/metrics.jsonl", "before/tasks.jsonl", "after/tasks.jsonl"):  # fmt: skip
+    for path in ("summary.json", "report.html", "logs/server.log", "logs/teacher-server.log", "teacher-script.json",
+                 "teacher/trajectories.parquet", "adapters/sft/adapter_model.safetensors", "adapters/sft/metrics.jsonl",
+                 "adapters/grpo1/adapter_config.json", "adapters/grpo1/metrics.jsonl",
+                 *(f"{s}/trajectories.parquet" for s in STAGES), *(f"{s}-heldout/rewards.parquet" for s in STAGES),
+                 *(f"logs/mitmdump-{s}.log" for s in STAGES)):  # fmt: skip
         assert (run / path).is_file(), path
     summary = json.loads((run / "summary.json").read_text())
     assert summary == {**summary, **demo_report.summary(run)}  # the numbers written are the files' numbers
+    assert summary["order"] == STAGES
 
-    for phase, model in (("before", Path(summary["model"]).name), ("after", demo_report.ADAPTER_NAME)):
-        numbers, captured = summary[phase], records(run / "captures" / phase)
-        sessions, rewards = read_sessions(run / phase), read_rewards(run / phase)
-        traces = schema.read(demo_report.trajectories_path(run, phase))
-        assert numbers["sessions"] == sessions.height == rewards.height == SAMPLES
-        assert numbers["calls_captured"] == len(captured) == SAMPLES * CALLS_PER_SESSION
+    # The teacher session: the worked fix replayed through the harness and the proxy, resolved, trained on by SFT.
+    teacher = summary["stages"]["teacher"]
+    assert (teacher["resolved"], teacher["graded"]) == (1, 1)
+    assert summary["train"]["sft"]["steps"] == 2 and summary["train"]["sft"]["sessions"] == 1
+
+    for stage in STAGES:
+        numbers = summary["stages"][stage]
+        sessions, rewards = read_sessions(run / stage), read_rewards(run / stage)
+        traces = schema.read(demo_report.trajectories_path(run, stage))
+        assert numbers["graded"] == sessions.height == rewards.height == traces.height == SAMPLES
+        captured = records(run / "captures" / stage)
+        assert numbers["calls_captured"] == len(captured) == 2 * 2 + 1 * 2  # FIX: 2 calls, GIVE_UP: 1
+        model = Path(summary["model"]).name if stage == "base" else stage
         assert {r["request"]["model"] for r in captured} == {model} == set(sessions["model"])
-        # Every call of a session merges into one trace, and every trace got its session's reward.
-        assert numbers["traces"] == traces.height == SAMPLES
-        assert numbers["calls_per_trace_max"] == CALLS_PER_SESSION
-        assert numbers["rewarded_traces"] == traces.filter(pl.col("reward").is_not_null()).height == SAMPLES
-        assert numbers["tokens_trainable"] == traces["loss_mask"].list.sum().sum() > 0
-        # Samples 0 and 2 fixed the bug: resolved, the others left no edit.
         resolved = rewards.filter(pl.col("resolved")).sort("sample_id")["sample_id"].to_list()
-        assert resolved == [0, 2] and numbers["resolved"] == 2 and numbers["pass_rate"] == 0.5
+        assert resolved == [0, 2] and numbers["pass_rate"] == 0.5 and numbers["ci95"][0] < 0.5 < numbers["ci95"][1]
+        assert numbers["heldout"]["graded"] == HELDOUT_SAMPLES and numbers["heldout"]["resolved"] == 0
         assert dict(zip(traces["session_id"], traces["reward"])) == dict(zip(rewards["session_id"], rewards["reward"]))
 
-    metrics = [json.loads(line) for line in (run / "adapter/metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [0, 1, 2] and summary["train"]["steps"] == 2
-    assert summary["train"]["groups_with_signal"] == summary["train"]["groups"] == 1
-    assert "GRPO ran 2 step(s)" in summary["note"]
-    assert [p["phase"] for p in summary["phases"] if p["commands"]] == [
-        "rollout before", "grade, reconstruct, join (before)", "train: GRPO on a LoRA adapter", "serve the adapter",
-        "rollout after", "grade, reconstruct, join (after)"]  # fmt: skip
+    grpo = summary["train"]["grpo1"]
+    assert grpo["steps"] == 1 and grpo["groups_with_signal"] == grpo["groups"] == 1
+    gain = [t for t in summary["tests"] if t["to"] == "grpo1" and t["from"] == "sft"][0]
+    assert gain["p_value"] == pytest.approx(1.0) and gain["verdict"].startswith("no significant change")  # replayed: same counts
+    assert "GRPO's own gain" in summary["note"] and "Held-out tasks" in summary["note"]
     report = (run / "report.html").read_text()
-    assert report.count("<svg") == 2 and "accelerate launch" in report
+    assert report.count("<svg") == 1 + 2 and "accelerate launch" in report and "95 % interval" in report
 
     # The summary phase reruns alone too, and recounts the same numbers.
     subprocess.run([sys.executable, "-m", "eval.demo_report", str(run)], cwd=ROOT, check=True, capture_output=True)
     assert json.loads((run / "summary.json").read_text()) == summary
+
+
+def mean_logprob(run: Path, stage: str, rewarded: bool) -> float:
+    """Mean captured log-prob of the sampled tokens of a stage's rewarded (or unrewarded) sessions."""
+    traces = schema.read(demo_report.trajectories_path(run, stage)).filter(pl.col("reward") == float(rewarded))
+    values = [lp for lps, mask in zip(traces["logprobs"], traces["loss_mask"]) for lp, m in zip(lps, mask) if m]
+    return float(np.mean(values))
+
+
+@pytest.mark.slow
+def test_the_loop_learns_the_rewarded_reply(demo_run):
+    """The same replies, served by the SFT adapter and then by the GRPO adapter trained on the SFT stage's
+    rewards: the policy now gives the rewarded reply more probability and the unrewarded one less."""
+    rewarded = {s: mean_logprob(demo_run, s, True) for s in ("base", "sft", "grpo1")}
+    unrewarded = {s: mean_logprob(demo_run, s, False) for s in ("sft", "grpo1")}
+    assert rewarded["grpo1"] > rewarded["sft"]
+    assert unrewarded["grpo1"] < unrewarded["sft"] - 0.2
+    assert rewarded["grpo1"] - unrewarded["grpo1"] > rewarded["sft"] - unrewarded["sft"] + 0.2  # the preference
+    # SFT taught the teacher's tool-call form: the base gave it less probability than the SFT adapter does.
+    assert rewarded["sft"] > rewarded["base"] + 0.02
 
 
 def descendants(pid: int) -> list[psutil.Process]:
@@ -121,7 +143,7 @@ def test_ctrl_c_stops_every_phase_and_service(tiny_model_dir, tmp_path):
     demo = subprocess.Popen(demo_command(tiny_model_dir, tmp_path), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
     deadline = time.monotonic() + 120
-    while not list(tmp_path.glob("runs/*/captures/before/*.jsonl")) and time.monotonic() < deadline:
+    while not list(tmp_path.glob("runs/*/captures/base/*.jsonl")) and time.monotonic() < deadline:
         assert demo.poll() is None, demo.stdout.read()
         time.sleep(0.2)
     running = descendants(demo.pid)

@@ -37,3 +37,17 @@ def test_malformed_scripts_are_refused(tmp_path, items):
     path.write_text(json.dumps(items))
     with pytest.raises(ValueError, match="script.json"):
         Script.load(path)
+
+
+def test_an_object_of_patterns_gives_each_session_the_first_matching_script(tmp_path):
+    path = tmp_path / "script.json"
+    path.write_text(json.dumps({"*pager-1-*": MESSAGES, "*-0": [{"content": "zero"}], "*-[12]": [{"content": "x"}]}))
+    script = Script.load(path)
+    assert script.take("r0-polar-toy__pager-1-0")["reasoning"] == "look"  # the first pattern wins
+    assert script.take("r0-polar-toy__vat-1-0")["content"] == "zero"
+    assert script.take("r0-polar-toy__vat-1-2")["content"] == "x"
+    with pytest.raises(KeyError, match="no script for session 'r0-polar-toy__vat-1-3'"):
+        script.take("r0-polar-toy__vat-1-3")
+    path.write_text(json.dumps({"*": []}))
+    with pytest.raises(ValueError, match="pattern '\\*'"):
+        Script.load(path)

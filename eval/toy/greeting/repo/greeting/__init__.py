@@ -1,0 +1,3 @@
+from greeting.api import greet
+
+__all__ = ["greet"]

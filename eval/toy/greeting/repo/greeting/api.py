@@ -1,0 +1,5 @@
+from greeting.words import GREETING
+
+
+def greet(name: str) -> str:
+    return f"{GREETING}, {name}!"

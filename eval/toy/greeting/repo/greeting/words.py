@@ -1,0 +1,3 @@
+"""Constants of greeting."""
+
+GREETING = "Helo"

@@ -1,0 +1,5 @@
+from greeting import greet
+
+
+def test_name_is_kept():
+    assert "Bo" in greet("Bo")

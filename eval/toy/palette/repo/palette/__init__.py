@@ -1,0 +1,3 @@
+from palette.api import css
+
+__all__ = ["css"]

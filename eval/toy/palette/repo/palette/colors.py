@@ -1,0 +1,3 @@
+"""Constants of palette."""
+
+RED = "#ff000"

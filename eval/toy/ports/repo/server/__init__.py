@@ -1,0 +1,3 @@
+from server.api import address
+
+__all__ = ["address"]

@@ -1,0 +1,3 @@
+"""Constants of server."""
+
+DEFAULT_PORT = 8000

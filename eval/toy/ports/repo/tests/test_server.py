@@ -1,0 +1,5 @@
+from server import address
+
+
+def test_host():
+    assert address().startswith("localhost:")

@@ -1,0 +1,3 @@
+from client.api import attempts
+
+__all__ = ["attempts"]

@@ -1,0 +1,3 @@
+"""Constants of client."""
+
+MAX_RETRIES = 3

@@ -1,0 +1,3 @@
+from units.api import miles_to_km
+
+__all__ = ["miles_to_km"]

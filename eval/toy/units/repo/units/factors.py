@@ -1,0 +1,3 @@
+"""Constants of units."""
+
+KM_PER_MILE = 1.6

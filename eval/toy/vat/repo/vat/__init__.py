@@ -1,0 +1,3 @@
+from vat.api import with_vat
+
+__all__ = ["with_vat"]

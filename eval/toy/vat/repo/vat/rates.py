@@ -1,0 +1,3 @@
+"""Constants of vat."""
+
+STANDARD_RATE = 0.2
