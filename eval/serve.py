@@ -1,7 +1,7 @@
 """Reference upstream: an OpenAI-compatible chat server on transformers that answers like vLLM, fully offline.
 
     python -m eval.serve --model models/tiny --port 8000 [--host 127.0.0.1] [--script turns.json] [--seed 0]
-        [--lora-modules NAME=DIR ...] [--flavor vllm|sglang]
+        [--lora-modules NAME=DIR ...] [--flavor vllm|sglang] [--max-batch 32]
 
 Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions`` (streamed or not), and ``POST
 /v1/responses`` shaped like vLLM's (see ``ResponsesCall``); LoRA adapters as vLLM serves them
@@ -9,9 +9,10 @@ Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions`` (stre
 fields it honours vLLM's ``return_token_ids``, ``logprobs`` and ``top_logprobs`` and answers with vLLM's extra
 fields (``prompt_token_ids``, ``choices[0].token_ids``, and per streamed chunk the ``token_ids`` and ``logprobs``
 of that chunk's tokens), because the capture proxy in front of it relies on them. Log-probs are vLLM's default
-raw ones: log_softmax of the model's logits, before temperature and top-p. Tokens are sampled one at a time over
-the KV cache, so a stream sends each token as soon as it is sampled; each token gets its own chunk, also when a
-parser holds its text back (vLLM does the same, so no token id is lost).
+raw ones: log_softmax of the model's logits, before temperature and top-p. Concurrent requests are decoded
+together, one forward pass per token for all of them (eval/engine.py), and a stream sends each token as soon as it
+is sampled; each token gets its own chunk, also when a parser holds its text back (vLLM does the same, so no token
+id is lost).
 
 ``--script FILE`` replaces sampling with scripted assistant messages (format in eval/script.py): each request of
 a session (header ``x-polar-session``, else "default") takes that session's next message, rendered through the
@@ -21,6 +22,7 @@ and sent exactly like sampled output.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -66,6 +68,8 @@ class Config:
     lora_modules: tuple[str, ...] = ()
     """LoRA adapters to serve, as vLLM's flag: NAME=DIR (a PEFT folder, e.g. train/grpo.py's output); a request
     whose model is NAME uses it. More can be loaded at run time: POST /v1/load_lora_adapter."""
+    max_batch: int = 32
+    """Most requests decoded together (vLLM's --max-num-seqs); more wait for a free row."""
 
 
 class BadRequest(Exception):
@@ -215,7 +219,7 @@ class Server(ThreadingHTTPServer):
     """The HTTP server holding the engine; one thread per connection."""
 
     def __init__(self, config: Config) -> None:
-        self.engine = Engine(config.model, config.seed)
+        self.engine = Engine(config.model, config.seed, max_batch=config.max_batch)
         self.script = Script.load(config.script) if config.script else None
         self.model_name = str(config.model)  # vLLM's default served name is its --model argument
         self.default_max_tokens = config.max_tokens
@@ -253,7 +257,11 @@ class Server(ThreadingHTTPServer):
         """Token ids of the session's next scripted message: the text the template adds after the generation
         prompt, up to and including <|im_end|>."""
         assert self.script is not None
-        full = self.engine.render([*req.messages, self.script.take(session)], req.tools, generation_prompt=False)
+        try:
+            scripted = self.script.take(session)
+        except KeyError as e:
+            raise BadRequest(e.args[0], "model") from e
+        full = self.engine.render([*req.messages, scripted], req.tools, generation_prompt=False)
         if not full.startswith(prompt):
             raise RuntimeError("the chat template does not render prompt + answer as an extension of the prompt")
         eos = self.engine.tokenizer.eos_token
@@ -469,11 +477,12 @@ class Handler(BaseHTTPRequestHandler):
                 return
             req = parse_request(self._read_json(), self.server.model_name, self.server.flavor)
             prompt_ids, sampling, forced = self.server.prepare(req, session)
-            pieces = generate(self.server.engine, prompt_ids, sampling, forced)
-            if req.stream:
-                self._stream(stream_chunks(req, prompt_ids, pieces))
-            else:
-                self._send_json(200, completion_body(req, prompt_ids, pieces))
+            # Closed on the way out, also when the client hangs up, so the engine drops the request at once.
+            with contextlib.closing(generate(self.server.engine, prompt_ids, sampling, forced)) as pieces:
+                if req.stream:
+                    self._stream(stream_chunks(req, prompt_ids, pieces))
+                else:
+                    self._send_json(200, completion_body(req, prompt_ids, pieces))
         except BadRequest as e:
             self._send_json(400, e.body())
         except (BrokenPipeError, ConnectionResetError):
@@ -514,20 +523,20 @@ class Handler(BaseHTTPRequestHandler):
 
     def _responses(self, call: ResponsesCall, session: str) -> None:
         prompt_ids, sampling, forced = self.server.prepare(call.chat, session)
-        pieces = generate(self.server.engine, prompt_ids, sampling, forced)
         decode = self.server.engine.tokenizer.decode
-        if not call.translation.stream:
-            answer = call.translation.answer(completion_body(call.chat, prompt_ids, call.tap(pieces)))
-            self._send_json(200, call.finish(answer, prompt_ids, decode))
-            return
-        self._response_started = True
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-        for data in call.events(prompt_ids, pieces, decode):
-            self._write_chunk(data)
-        self.wfile.write(b"0\r\n\r\n")
+        with contextlib.closing(generate(self.server.engine, prompt_ids, sampling, forced)) as pieces:
+            if not call.translation.stream:
+                answer = call.translation.answer(completion_body(call.chat, prompt_ids, call.tap(pieces)))
+                self._send_json(200, call.finish(answer, prompt_ids, decode))
+                return
+            self._response_started = True
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for data in call.events(prompt_ids, pieces, decode):
+                self._write_chunk(data)
+            self.wfile.write(b"0\r\n\r\n")
 
     def _read_json(self) -> Any:
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
