@@ -17,6 +17,17 @@ settings and random generator. Rows leave when they finish or when their consume
 client that hung up): the batch is compacted before its next step. At most ``max_batch`` rows run; further
 requests wait. An error in a forward pass reaches the requests of that forward as an exception; the scheduler
 carries on with the others.
+
+Prefix caching (vLLM's automatic prefix caching, simplified). An agent session's every prompt is the previous one
+plus the answer and a tool result, and sessions share a system prompt, so most of a prompt's KV was computed before.
+The scheduler keeps the KV of each prompt once prefilled, and of each row when it leaves the batch (finished or
+abandoned: prompt and generated tokens, less the last sampled one, which was never fed), keyed by adapter and token
+ids, in a store bounded by its total tokens that evicts the least recently used. A newcomer's prefill starts from
+the entry sharing the longest common prefix with its prompt, sliced to that prefix, and runs only the rest
+(at least the last prompt token, whose logits give the first output token, unless the same prompt came before:
+its logits are kept too, so a repeated prompt needs no forward and gets exactly what the first one got). Entries
+serve only requests of the same adapter, and loading or unloading an adapter retires its entries. Outputs match a
+run without the cache up to float noise: a prefill split in two sums in another order (log-probs within 1e-4).
 """
 
 from __future__ import annotations
@@ -26,7 +37,9 @@ import contextlib
 import dataclasses
 import os
 import queue
+import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,7 +53,10 @@ import torch.nn.functional as F
 
 from eval.toolparse import Event, OutputParser, StopStrings
 
-__all__ = ["Detokenizer", "Engine", "Piece", "Sampling", "generate"]
+__all__ = ["Detokenizer", "Engine", "Piece", "PrefixCache", "Sampling", "generate"]
+
+_STATS_EVERY_S = 30.0  # how often at most the scheduler logs the prefix cache's counters
+_KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values (1, kv_heads, T, head_dim)
 
 
 @dataclasses.dataclass
@@ -86,8 +102,17 @@ class _Sequence:
     generator: torch.Generator
     replies: queue.SimpleQueue[Step | Exception] = dataclasses.field(default_factory=queue.SimpleQueue)
     cancelled: bool = False  # set from the consumer's thread once it stops reading
-    n_generated: int = 0
-    last_token: int = 0  # the input of its next decode step
+    generated: list[int] = dataclasses.field(default_factory=list)  # sampled (or forced) so far
+    model: tuple[str | None, int] = (None, 0)  # (adapter, its load count) at prefill: the key of its cache entries
+
+    @property
+    def n_generated(self) -> int:
+        return len(self.generated)
+
+    @property
+    def last_token(self) -> int:
+        """The input of its next decode step."""
+        return self.generated[-1]
 
     @property
     def position(self) -> int:
@@ -117,6 +142,15 @@ class _Batch:
         self.mask = mask  # (B + 1, length)
         self.rows.append(seq)
 
+    def row_kv(self, i: int) -> tuple[int, _KV]:
+        """Row ``i``'s token count and a copy of its KV per layer (keys, values: (1, kv_heads, n, head_dim)); its
+        tokens are the last n columns, the padding being on the left. A copy, not a view that would keep the whole
+        batch's tensors alive."""
+        n = int(self.mask[i].sum())
+        copy = {"memory_format": torch.contiguous_format}
+        return n, [(x.keys[i : i + 1, :, -n:].clone(**copy), x.values[i : i + 1, :, -n:].clone(**copy))
+                   for x in self.cache.layers]  # fmt: skip
+
     def keep(self, rows: list[int]) -> None:
         """Keeps only the rows at these indices, then drops the padding columns that no remaining row needs."""
         if len(rows) == len(self.rows):
@@ -139,11 +173,113 @@ def _stack_left_padded(a: torch.Tensor, b: torch.Tensor, length: int, seq_dim: i
     return torch.cat([F.pad(x, (*trailing, length - x.shape[seq_dim], 0)) for x in (a, b)])
 
 
+@dataclasses.dataclass(eq=False)
+class _Entry:
+    model: tuple[str | None, int]  # (adapter, its load count when the KV was computed); (None, 0): the base model
+    ids: torch.Tensor  # (T,) the token ids whose KV is held
+    kv: _KV
+    logits: dict[int, torch.Tensor]  # prompt length n -> the logits (1, V) after ids[:n], for prompts ending there
+
+
+class PrefixCache:
+    """KV caches of earlier prompts and answers, for prompts that start with the same tokens: at most
+    ``max_tokens`` tokens in all (0: off), the least recently used evicted first. The scheduler thread owns it;
+    the counters are for tests and the stats line.
+
+    Each prompt's logits after its last token are kept too, so a prompt seen before (a GRPO group's samples, a
+    retried call) needs no forward pass at all and gets exactly what the first got."""
+
+    def __init__(self, max_tokens: int) -> None:
+        if max_tokens < 0:
+            raise ValueError(f"the prefix cache's token budget must be at least 0 (0: off), not {max_tokens}")
+        self.max_tokens = max_tokens
+        self.entries: list[_Entry] = []  # least recently used first; none is a prefix of another of its model
+        self.tokens = 0  # held by all entries
+        self.prompts = self.hits = 0  # prefills; those that started from a cached prefix
+        self.reused_tokens = self.prefilled_tokens = 0  # prompt tokens taken from the cache; run through the model
+
+    def match(self, model: tuple[str | None, int], prompt_ids: list[int]) -> tuple[int, Any, torch.Tensor | None]:
+        """The longest cached prefix of the prompt: its length n, a DynamicCache holding its KV, and the logits
+        after it when it is the whole prompt (else n < len(prompt_ids): the rest needs a forward pass); or
+        (0, None, None). Counts the prompt's tokens as reused or to prefill."""
+        from transformers import DynamicCache
+
+        ids = torch.tensor(prompt_ids)  # (T,)
+        best, score = None, (0, False)
+        for entry in self.entries:
+            if entry.model == model:
+                common = _common_prefix(entry.ids, ids)
+                if (common, common == len(ids) and common in entry.logits) > score:
+                    best, score = entry, (common, common == len(ids) and common in entry.logits)
+        n, whole = score
+        n = n if whole else min(n, len(prompt_ids) - 1)  # without its logits, the last token runs through the model
+        self.prompts += 1
+        self.prefilled_tokens += len(prompt_ids) - max(n, 0)
+        if best is None or n <= 0:
+            return 0, None, None
+        self._touch(best)
+        self.hits += 1
+        self.reused_tokens += n
+        # DynamicCache copies the slices, so the forward's appends never reach the entry.
+        cache = DynamicCache(ddp_cache_data=[(keys[:, :, :n], values[:, :, :n]) for keys, values in best.kv])
+        return n, cache, best.logits[n] if whole else None
+
+    def put(self, model: tuple[str | None, int], ids: list[int], kv: _KV, logits: torch.Tensor | None = None) -> None:
+        """Keeps ``kv``, the KV of exactly ``ids`` (and ``logits``, those after the last of them), unless an entry
+        holds them already; entries that ``ids`` extends are dropped, passing on their logits, then the least
+        recently used over budget."""
+        if not 0 < len(ids) <= self.max_tokens:
+            return
+        new = torch.tensor(ids)  # (T,)
+        kept = {} if logits is None else {len(ids): logits}
+        for entry in [e for e in self.entries if e.model == model]:
+            common = _common_prefix(entry.ids, new)
+            if common == len(ids):  # this entry holds them, and maybe more
+                entry.logits.update(kept)
+                self._touch(entry)
+                return
+            if common == len(entry.ids):  # all it could give, the new one gives
+                kept.update(entry.logits)
+                self._remove(entry)
+        self.entries.append(_Entry(model, new, kv, kept))
+        self.tokens += len(ids)
+        while self.tokens > self.max_tokens:
+            self._remove(self.entries[0])
+
+    def retain(self, models: set[tuple[str | None, int]]) -> None:
+        """Drops the entries of any other model: adapters unloaded, or loaded again since (new weights)."""
+        for entry in [e for e in self.entries if e.model not in models]:
+            self._remove(entry)
+
+    def summary(self) -> str:
+        total = self.reused_tokens + self.prefilled_tokens
+        return (
+            f"prefix cache: {self.hits} of {self.prompts} prompts hit, {self.reused_tokens} of {total} prompt tokens "
+            f"reused ({self.reused_tokens / max(total, 1):.1%}); {len(self.entries)} entries hold {self.tokens} of "
+            f"{self.max_tokens} tokens"
+        )
+
+    def _touch(self, entry: _Entry) -> None:
+        self.entries.remove(entry)
+        self.entries.append(entry)
+
+    def _remove(self, entry: _Entry) -> None:
+        self.entries.remove(entry)
+        self.tokens -= len(entry.ids)
+
+
+def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many leading token ids ``a`` and ``b`` (1-D) share."""
+    n = min(len(a), len(b))
+    differ = (a[:n] != b[:n]).nonzero()  # (k, 1)
+    return int(differ[0]) if len(differ) else n
+
+
 class Engine:
     """The model, driven by one scheduler thread that batches the decode steps of all running requests, and the
     tokenizer, which request threads use behind a lock."""
 
-    def __init__(self, model_dir: Path, seed: int, max_batch: int = 32) -> None:
+    def __init__(self, model_dir: Path, seed: int, max_batch: int = 32, prefix_cache_tokens: int = 65536) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
         from transformers.cache_utils import DynamicLayer
 
@@ -161,6 +297,9 @@ class Engine:
         self.eos_ids = eos | {self.tokenizer.eos_token_id}
         self.max_batch = max_batch
         self.adapters: dict[str, str] = {}  # LoRA adapter name -> the folder it was loaded from
+        self._loads: dict[str, int] = {}  # adapter name -> loads and unloads so far: a new count retires its KV
+        self.prefix_cache = PrefixCache(prefix_cache_tokens)  # the scheduler thread's alone
+        self._stats_due = time.monotonic() + _STATS_EVERY_S
         self._tokenizer_lock = threading.Lock()  # fast tokenizers raise "Already borrowed" when two threads encode
         self._model_lock = threading.Lock()  # adapters are loaded and unloaded between forward passes
         self._generator = torch.Generator().manual_seed(seed)  # the scheduler thread's alone
@@ -184,6 +323,7 @@ class Engine:
             else:
                 self.model.load_adapter(path, adapter_name=name)
             self.adapters[name] = path
+            self._loads[name] = self._loads.get(name, 0) + 1
 
     def unload_adapter(self, name: str) -> None:
         with self._model_lock:
@@ -192,6 +332,7 @@ class Engine:
             else:
                 self.model.delete_adapter(name)
             del self.adapters[name]
+            self._loads[name] += 1
 
     def _forward(self, adapter: str | None, **inputs: Any) -> Any:
         """One forward pass with ``adapter`` active (None: the base model); the caller holds the model lock."""
@@ -275,18 +416,33 @@ class Engine:
                 self._prefill(seq)
 
     def _prefill(self, seq: _Sequence) -> None:
-        """One forward over the prompt alone, then the row joins its adapter's batch unless it is already done."""
+        """One forward over the prompt alone, or over what follows its longest cached prefix, then the row joins its
+        adapter's batch unless it is already done. The prompt's KV goes to the prefix cache, so that requests queued
+        behind it with the same system prompt reuse it at once."""
         adapter = seq.sampling.adapter
         try:
-            input_ids = torch.tensor([seq.prompt_ids])  # (1, T)
-            with self._model_lock:
-                out = self._forward(adapter, input_ids=input_ids, use_cache=True, logits_to_keep=1)
-            if not self._emit([seq], out.logits[:, -1].float()):  # (1, V)
+            with self._model_lock:  # adapters change between forward passes, so their load counts cannot here
+                seq.model = (adapter, self._loads.get(adapter, 0))
+                self.prefix_cache.retain({(None, 0), *((name, self._loads[name]) for name in self.adapters)})
+                start, cache, logits = self.prefix_cache.match(seq.model, seq.prompt_ids)
+                if logits is None:  # else the whole prompt was cached, and the logits after it
+                    out = self._forward(
+                        adapter,
+                        input_ids=torch.tensor([seq.prompt_ids[start:]]),  # (1, T - start)
+                        position_ids=torch.arange(start, len(seq.prompt_ids))[None],  # (1, T - start)
+                        cache=cache,  # None: no cached prefix
+                        use_cache=True,
+                        logits_to_keep=1,
+                    )
+                    cache, logits = out.cache, out.logits[:, -1].float()  # (1, V)
+            self.prefix_cache.put(seq.model, seq.prompt_ids, [(x.keys, x.values) for x in cache.layers], logits)
+            self._log_stats()
+            if not self._emit([seq], logits):
                 return
             if adapter in self._batches:
-                self._batches[adapter].join(seq, out.cache)
+                self._batches[adapter].join(seq, cache)
             else:
-                self._batches[adapter] = _Batch(seq, out.cache)
+                self._batches[adapter] = _Batch(seq, cache)
         except Exception as e:  # noqa: BLE001 - whatever it is, the request gets it instead of hanging
             seq.replies.put(e)
 
@@ -294,7 +450,7 @@ class Engine:
         """One forward for all rows of ``adapter``'s batch; rows that finish or were abandoned leave it."""
         batch = self._batches[adapter]
         try:
-            batch.keep([i for i, seq in enumerate(batch.rows) if not seq.cancelled])
+            self._leave(batch, [i for i, seq in enumerate(batch.rows) if not seq.cancelled])
             if batch.rows:
                 input_ids = torch.tensor([[seq.last_token] for seq in batch.rows])  # (B, 1)
                 position_ids = torch.tensor([[seq.position] for seq in batch.rows])  # (B, 1)
@@ -311,13 +467,29 @@ class Engine:
                         logits_to_keep=1,
                     )
                 batch.mask = mask
-                batch.keep(self._emit(batch.rows, out.logits[:, -1].float()))  # (B, V)
+                self._leave(batch, self._emit(batch.rows, out.logits[:, -1].float()))  # (B, V)
         except Exception as e:  # noqa: BLE001 - the batch's requests get it; the other batches carry on
             for seq in batch.rows:
                 seq.replies.put(e)
             batch.rows = []
         if not batch.rows:
             del self._batches[adapter]
+
+    def _leave(self, batch: _Batch, staying: list[int]) -> None:
+        """``batch.keep(staying)``, once the KV of the rows leaving is in the prefix cache: all their tokens that
+        went through the model (not the last sampled one, unless its forward ran before the row was abandoned)."""
+        if self.prefix_cache.max_tokens:
+            for i in sorted(set(range(len(batch.rows))) - set(staying)):
+                seq = batch.rows[i]
+                n, kv = batch.row_kv(i)
+                self.prefix_cache.put(seq.model, (seq.prompt_ids + seq.generated)[:n], kv)
+        batch.keep(staying)
+
+    def _log_stats(self) -> None:
+        """Now and then a line on stderr, the server's log, on what the prefix cache saved (vLLM logs its hit rate)."""
+        if self.prefix_cache.max_tokens and time.monotonic() >= self._stats_due:
+            self._stats_due = time.monotonic() + _STATS_EVERY_S
+            print(f"engine: {self.prefix_cache.summary()}", file=sys.stderr, flush=True)
 
     def _emit(self, rows: list[_Sequence], logits: torch.Tensor) -> list[int]:
         """Picks each row's next token from its logits (B, V) and sends it; returns the indices of unfinished rows."""
@@ -328,7 +500,7 @@ class Engine:
                 continue
             forced = seq.forced
             token = forced[seq.n_generated] if forced is not None else _sample(row_logits, seq.sampling, seq.generator)
-            seq.n_generated, seq.last_token = seq.n_generated + 1, token
+            seq.generated.append(token)
             k = row_logp.shape[-1] if seq.sampling.top_logprobs == -1 else seq.sampling.top_logprobs
             top = row_logp.topk(k) if k else None
             pairs = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []

@@ -27,7 +27,9 @@ import tyro
 
 __all__ = ["TOOLS", "Args", "main", "run_command"]
 
-SYSTEM_PROMPT = """You are an autonomous software engineer working in a git repository at {workspace}.
+# The same text for every session (the workspace is the commands' working directory, not named here), so a
+# server with prefix caching computes it once for all of them.
+SYSTEM_PROMPT = """You are an autonomous software engineer working in a git repository, the current directory.
 Fix the issue the user describes by editing the repository's source files. Use the bash tool to explore the
 code, make edits (for example with sed, a heredoc, or `git apply`) and run commands. Do not edit the tests.
 When the fix is done, reply with a short summary and no tool call: that ends the session."""
@@ -156,7 +158,7 @@ def tool_result(call: dict[str, Any], args: Args) -> str:
 def main(args: Args) -> int:
     client = openai.OpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=2, timeout=args.request_timeout)
     messages: list[dict[str, Any]] = [
-        {"role": "system", "content": SYSTEM_PROMPT.format(workspace=args.workspace.resolve())},
+        {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": args.prompt_file.read_text()},
     ]
     for step in range(1, args.max_steps + 1):

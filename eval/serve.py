@@ -1,7 +1,7 @@
 """Reference upstream: an OpenAI-compatible chat server on transformers that answers like vLLM, fully offline.
 
     python -m eval.serve --model models/tiny --port 8000 [--host 127.0.0.1] [--script turns.json] [--seed 0]
-        [--lora-modules NAME=DIR ...] [--flavor vllm|sglang] [--max-batch 32]
+        [--lora-modules NAME=DIR ...] [--flavor vllm|sglang] [--max-batch 32] [--prefix-cache-tokens 65536]
 
 Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions`` (streamed or not), and ``POST
 /v1/responses`` shaped like vLLM's (see ``ResponsesCall``); LoRA adapters as vLLM serves them
@@ -70,6 +70,10 @@ class Config:
     whose model is NAME uses it. More can be loaded at run time: POST /v1/load_lora_adapter."""
     max_batch: int = 32
     """Most requests decoded together (vLLM's --max-num-seqs); more wait for a free row."""
+    prefix_cache_tokens: int = 65536
+    """Automatic prefix caching (vLLM's --enable-prefix-caching): at most this many tokens of earlier prompts' and
+    answers' KV are kept, so a prompt that starts the same way prefills only the rest; 0 turns it off. Memory: 2 x
+    layers x kv_heads x head_dim x 4 bytes per token, 45 KiB for SmolLM2-135M (65536 tokens: 2.8 GiB)."""
 
 
 class BadRequest(Exception):
@@ -219,7 +223,9 @@ class Server(ThreadingHTTPServer):
     """The HTTP server holding the engine; one thread per connection."""
 
     def __init__(self, config: Config) -> None:
-        self.engine = Engine(config.model, config.seed, max_batch=config.max_batch)
+        self.engine = Engine(
+            config.model, config.seed, max_batch=config.max_batch, prefix_cache_tokens=config.prefix_cache_tokens
+        )
         self.script = Script.load(config.script) if config.script else None
         self.model_name = str(config.model)  # vLLM's default served name is its --model argument
         self.default_max_tokens = config.max_tokens

@@ -1,8 +1,11 @@
 """eval.engine's scheduler on the tiny model: concurrent requests share forward passes and get what they would
 get alone (greedy, seeded, forced, LoRA), rows join mid-generation and leave when their consumer stops.
 
-A ``ForwardGate`` wraps the model's forward: it records each call's batch size and, while held, lets calls through
+A ``ForwardGate`` wraps the model's forward: it records each call's input shape and, while held, lets calls through
 only as permits are given, so a test can queue requests behind a paused scheduler or stop it at a known step.
+
+The prefix cache is off here: these tests count forward passes and compare each batched row with the same request
+run alone before, which the cache would answer without a prefill (tests/eval/test_prefix_cache.py tests it).
 """
 
 import threading
@@ -23,6 +26,7 @@ class ForwardGate:
         self._permits: int | None = None  # None: open
         self._waiting = 0  # forward passes stopped at the gate
         self.batch_sizes: list[int] = []  # one per forward pass, in order
+        self.lengths: list[int] = []  # tokens per row fed to each forward pass: 1 for a decode step
         self.errors: dict[int, Exception] = {}  # forward pass number -> what it raises instead of running
 
     def __call__(self, *args, **kwargs):
@@ -35,6 +39,7 @@ class ForwardGate:
                 self._permits -= 1
             call = len(self.batch_sizes)
             self.batch_sizes.append(kwargs["input_ids"].shape[0])
+            self.lengths.append(kwargs["input_ids"].shape[1])
         if call in self.errors:
             raise self.errors[call]
         return self._forward(*args, **kwargs)
@@ -44,6 +49,7 @@ class ForwardGate:
         with self._cond:
             self._permits = 0
             self.batch_sizes.clear()
+            self.lengths.clear()
 
     def allow(self, n: int) -> None:
         with self._cond:
@@ -69,7 +75,7 @@ def install_gate(engine: Engine, monkeypatch) -> ForwardGate:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir) -> Engine:
-    return Engine(tiny_model_dir, seed=0)
+    return Engine(tiny_model_dir, seed=0, prefix_cache_tokens=0)
 
 
 @pytest.fixture
@@ -171,7 +177,7 @@ def lora_engine(tiny_model_dir, tmp_path_factory) -> Engine:
     config = LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     folder = tmp_path_factory.mktemp("adapter") / "step-1"
     get_peft_model(base, config).save_pretrained(folder)
-    engine = Engine(tiny_model_dir, seed=0)
+    engine = Engine(tiny_model_dir, seed=0, prefix_cache_tokens=0)
     engine.load_adapter("step-1", str(folder))
     return engine
 
@@ -223,7 +229,7 @@ def test_a_failed_forward_reaches_its_requests_and_the_engine_goes_on(engine, ga
 
 
 def test_requests_beyond_max_batch_wait_for_a_row(tiny_model_dir, monkeypatch):
-    engine = Engine(tiny_model_dir, seed=0, max_batch=2)
+    engine = Engine(tiny_model_dir, seed=0, max_batch=2, prefix_cache_tokens=0)
     gate = install_gate(engine, monkeypatch)
     scripts = [engine.encode(" ".join(WORDS[:n])) for n in (3, 5, 7)]
     requests = [(prompt(engine, 2), Sampling(max_tokens=50), script) for script in scripts]
