@@ -55,6 +55,7 @@ __all__ = [
     "trace_html",
     "train_numbers",
     "trajectories_path",
+    "verdict_rows",
     "wilson",
     "write_summary",
 ]
@@ -258,15 +259,20 @@ def summary_rows(numbers: dict[str, Any]) -> list[list[str]]:
         row("response tokens trained / masked", lambda s: f"{s['tokens_trainable']:,} / {s['tokens_masked']:,}"),
         row("chain breaks", lambda s: ", ".join(f"{c} {k}" for c, k in s["chain_breaks"].items()) or "none"),
     ]
-    for t in numbers["tests"]:
-        rows.append([t["what"], f"{t['from']} -> {t['to']}: {t['delta']:+.0%}, {t['verdict']}",
-                     *([""] * (len(names) - 1))])  # fmt: skip
+    return rows
+
+
+def verdict_rows(numbers: dict[str, Any]) -> list[list[str]]:
+    """(what, result) rows: each test between stages, then what each training phase did."""
+    rows = [[t["what"], f"{t['from']} -> {t['to']}: {t['delta']:+.0%}, {t['verdict']}"] for t in numbers["tests"]]
     for adapter, tr in numbers["train"].items():
         last = tr["per_step"][-1] if tr["per_step"] else {}
-        loss = last.get("loss/nll", last.get("loss/total"))
-        signal = f", {tr['groups_with_signal']} of {tr['groups']} groups with a signal" if "groups" in tr else ""
-        rows.append([f"train {adapter}", f"{tr['steps']} step(s){signal}" +
-                     (f", last loss {loss:+.4f}" if loss is not None else ""), *([""] * (len(names) - 1))])  # fmt: skip
+        if "groups" in tr:  # GRPO: its loss is 0 at a run's first step by construction (ratios 1, advantages sum 0)
+            result = f", {tr['groups_with_signal']} of {tr['groups']} groups with a signal" + (
+                f", reward {last['reward/mean']:.2f}, grad norm {last['optim/grad_norm']:.3g}" if last else "")
+        else:
+            result = f", last loss {last['loss/nll']:.4f}" if last else ""
+        rows.append([f"train {adapter}", f"{tr['steps']} step(s){result}"])
     return rows
 
 
@@ -294,7 +300,8 @@ def rewards(run: Path) -> pl.DataFrame:
     """Resolved count and mean reward by stage and task, trained and held-out."""
     frames = []
     for stage in stages_of(run):
-        for folder, split in ((stage, "trained" if stage != "teacher" else "teacher"), (f"{stage}-heldout", "held-out")):
+        split = "teacher" if stage == "teacher" else "trained"
+        for folder, split in ((stage, split), (f"{stage}-heldout", "held-out")):
             if (run / folder / "rewards.parquet").is_file():
                 frames.append(read_rewards(run / folder).with_columns(pl.lit(stage).alias("stage"),
                                                                       pl.lit(split).alias("split")))  # fmt: skip
@@ -370,7 +377,7 @@ def pass_rate_svg(numbers: dict[str, Any]) -> str:
     w, h, left, top, bottom = 120 * max(len(order), 1) + 160, 300, 48, 40, 40
     plot_h = h - top - bottom
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" '
-             'font-size="12">', f'<text x="{left}" y="20" font-size="14">pass@1 per stage, 95 % interval</text>']  # fmt: skip
+             'font-size="12">', f'<text x="{left}" y="20" font-size="14">pass@1 per stage, 95 % interval</text>']
     for tick in (0.0, 0.25, 0.5, 0.75, 1.0):
         y = top + plot_h * (1 - tick)
         parts.append(f'<line x1="{left}" x2="{w - 160}" y1="{y}" y2="{y}" stroke="#ddd"/>')
@@ -384,14 +391,15 @@ def pass_rate_svg(numbers: dict[str, Any]) -> str:
             x = left + 60 + 120 * i + dx
             y, (lo, hi) = top + plot_h * (1 - n["pass_rate"]), n["ci95"]
             points.append(f"{x:.1f},{y:.1f}")
-            parts.append(f'<line x1="{x}" x2="{x}" y1="{top + plot_h * (1 - hi):.1f}" y2="{top + plot_h * (1 - lo):.1f}" '
-                         f'stroke="{color}" stroke-width="2"/>')  # fmt: skip
+            y_hi, y_lo = top + plot_h * (1 - hi), top + plot_h * (1 - lo)
+            parts.append(f'<line x1="{x}" x2="{x}" y1="{y_hi:.1f}" y2="{y_lo:.1f}" stroke="{color}" stroke-width="2"/>')
             parts.append(f'<circle cx="{x}" cy="{y:.1f}" r="4" fill="{color}"><title>{escape(stage)} {split}: '
                          f'{n["resolved"]}/{n["graded"]} [{lo:.2f}, {hi:.2f}]</title></circle>')  # fmt: skip
         if len(points) > 1:
             parts.append(f'<polyline points="{" ".join(points)}" fill="none" stroke="{color}" stroke-dasharray="3,3"/>')
     for i, stage in enumerate(order):
-        parts.append(f'<text x="{left + 60 + 120 * i}" y="{h - bottom + 18}" text-anchor="middle">{escape(stage)}</text>')
+        x = left + 60 + 120 * i
+        parts.append(f'<text x="{x}" y="{h - bottom + 18}" text-anchor="middle">{escape(stage)}</text>')
     for j, (label, color) in enumerate((("trained tasks", "#4e79a7"), ("held-out tasks", "#f28e2b"))):
         parts.append(f'<rect x="{w - 150}" y="{top + 16 * j}" width="10" height="10" fill="{color}"/>')
         parts.append(f'<text x="{w - 135}" y="{top + 16 * j + 9}">{label}</text>')
@@ -433,6 +441,7 @@ def report_html(numbers: dict[str, Any]) -> str:
     table = "<tr>" + "".join(f"<th>{escape(c)}</th>" for c in head) + "</tr>" + "".join(
         "<tr>" + "".join(f"<td>{escape(c)}</td>" for c in row) + "</tr>" for row in body
     )
+    verdicts = "".join(f"<tr><td>{escape(a)}</td><td>{escape(b)}</td></tr>" for a, b in verdict_rows(numbers))
     training = "".join(
         f"<h3>{escape(a)}</h3>" + (metrics_svg(tr["per_step"]) if tr["per_step"] else
                                    "<p>No optimizer step ran (no group had reward variance).</p>")
@@ -451,6 +460,7 @@ tr:nth-child(even){{background:#f4f4f4}}pre{{background:#f4f4f4;padding:6px;whit
 <p>{escape(note(numbers))}</p>
 <h2>Pass rate per stage</h2>{pass_rate_svg(numbers)}
 <table>{table}</table>
+<h2>Tests and training</h2><table>{verdicts}</table>
 <h2>Training metrics</h2>{training}
 <h2>Rerun a phase</h2><ol>{rerun}</ol>
 </body></html>
@@ -480,6 +490,13 @@ def summary_table(numbers: dict[str, Any]) -> Table:
     return table
 
 
+def verdict_table(numbers: dict[str, Any]) -> Table:
+    table = Table(show_header=False)
+    for row in verdict_rows(numbers):
+        table.add_row(*row)
+    return table
+
+
 def main(run: tyro.conf.Positional[Path | None] = None) -> None:
     """Recount RUN's numbers (the newest run by default), rewrite summary.json and report.html, print the table."""
     run = find_run(run)
@@ -487,6 +504,7 @@ def main(run: tyro.conf.Positional[Path | None] = None) -> None:
     full = write_summary(run, {k: record[k] for k in ("model", "config", "phases", "seconds") if k in record})
     console = Console()
     console.print(summary_table(full))
+    console.print(verdict_table(full))
     console.print(full["note"], highlight=False)
     print(f"wrote {run / 'summary.json'} and {run / 'report.html'}")
 

@@ -7,7 +7,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from tests.eval.test_demo import fast_demo_run
+from tests.eval.test_demo import DEMO_TIMEOUT, fast_demo_run
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
@@ -29,6 +29,7 @@ def test_notebooks_are_committed_without_outputs():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(DEMO_TIMEOUT)
 @pytest.mark.parametrize("name", ["run.ipynb", "training.ipynb"])
 def test_notebook_runs_on_a_demo_run(name, demo_run, monkeypatch):
     monkeypatch.setenv("POLAR_RUN", str(demo_run))  # the kernel inherits it; the notebooks read it

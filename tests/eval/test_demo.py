@@ -32,6 +32,8 @@ FIX = [{"content": None, "tool_calls": [{"name": "bash", "arguments": {"command"
 GIVE_UP = [{"content": "I cannot fix this.", "tool_calls": []}]
 SCRIPT = {"*retries-1-[02]": FIX, "*": GIVE_UP}
 STAGES = ["base", "sft", "grpo1"]
+# The first test of a worker runs the whole loop (about 90 s alone, several times that beside the other tests).
+DEMO_TIMEOUT = 1200
 
 
 def demo_command(model: Path, tmp: Path) -> list[str]:
@@ -66,6 +68,7 @@ def records(folder: Path) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(DEMO_TIMEOUT)
 def test_demo_writes_the_run_folder_and_its_summary_agrees_with_the_files(demo_run):
     run = demo_run
     for path in ("summary.json", "report.html", "logs/server.log", "logs/teacher-server.log", "teacher-script.json",
@@ -118,6 +121,7 @@ def mean_logprob(run: Path, stage: str, rewarded: bool) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(DEMO_TIMEOUT)
 def test_the_loop_learns_the_rewarded_reply(demo_run):
     """The same replies, served by the SFT adapter and then by the GRPO adapter trained on the SFT stage's
     rewards: the policy now gives the rewarded reply more probability and the unrewarded one less."""
@@ -138,11 +142,12 @@ def descendants(pid: int) -> list[psutil.Process]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(DEMO_TIMEOUT)
 def test_ctrl_c_stops_every_phase_and_service(tiny_model_dir, tmp_path):
     # Its own process group, signalled as a whole: what a terminal's Ctrl-C does to a foreground job.
     demo = subprocess.Popen(demo_command(tiny_model_dir, tmp_path), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + DEMO_TIMEOUT / 2  # the teacher and SFT phases come first
     while not list(tmp_path.glob("runs/*/captures/base/*.jsonl")) and time.monotonic() < deadline:
         assert demo.poll() is None, demo.stdout.read()
         time.sleep(0.2)
