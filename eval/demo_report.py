@@ -377,7 +377,8 @@ def pass_rate_svg(numbers: dict[str, Any]) -> str:
     w, h, left, top, bottom = 120 * max(len(order), 1) + 160, 300, 48, 40, 40
     plot_h = h - top - bottom
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" '
-             'font-size="12">', f'<text x="{left}" y="20" font-size="14">pass@1 per stage, 95 % interval</text>']
+             'font-size="12">', f'<text x="{left}" y="20" font-size="14">pass@1 (the mean reward: 1 resolved, 0 not) '
+             'per stage, 95 % interval</text>']
     for tick in (0.0, 0.25, 0.5, 0.75, 1.0):
         y = top + plot_h * (1 - tick)
         parts.append(f'<line x1="{left}" x2="{w - 160}" y1="{y}" y2="{y}" stroke="#ddd"/>')
