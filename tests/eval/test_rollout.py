@@ -56,7 +56,7 @@ def proxy(tasks, tiny_model_dir, tmp_path_factory):
 
 @pytest.mark.slow
 def test_mini_and_shell_rollouts_line_up_with_captures_rewards_and_traces(proxy, tasks, tmp_path):
-    ids = [tasks["fixed"]["instance_id"], tasks["wrong"]["instance_id"]]
+    ids = sorted([tasks["fixed"]["instance_id"], tasks["wrong"]["instance_id"]])  # the order rollout runs them in
     mini_run, shell_run = tmp_path / "mini", tmp_path / "shell"
     cli = [sys.executable, "-m", "eval", "rollout", "--harness", "mini", "--samples", "2", "--out", str(mini_run)]
     cli += ["--tasks", "toy", "--instance-ids", *ids, "--proxy", proxy.url, "--concurrency", "2", "--timeout", "120"]
@@ -84,7 +84,7 @@ def test_mini_and_shell_rollouts_line_up_with_captures_rewards_and_traces(proxy,
         assert sessions["session_id"].n_unique() == 2 * samples
         for row in sessions.iter_rows(named=True):
             assert row["exit_code"] == 0 and row["error"] is None
-            if row["task_id"] == ids[0]:
+            if row["task_id"] == tasks["fixed"]["instance_id"]:
                 assert row["patch"] == tasks["fixed"]["patch"]
             else:
                 assert row["patch"].startswith("diff --git a/NOTES.txt b/NOTES.txt\nnew file mode 100644")
@@ -104,7 +104,7 @@ def test_mini_and_shell_rollouts_line_up_with_captures_rewards_and_traces(proxy,
         rewards = read_rewards(run).join(sessions.select("session_id", "task_id"), on="session_id", suffix="_s")
         assert rewards.height == 2 * samples
         assert (rewards["task_id"] == rewards["task_id_s"]).all()
-        expected = [1.0 if task == ids[0] else 0.0 for task in rewards["task_id"]]
+        expected = [1.0 if task == tasks["fixed"]["instance_id"] else 0.0 for task in rewards["task_id"]]
         assert rewards["reward"].to_list() == expected
         assert rewards["resolved"].to_list() == [r == 1.0 for r in expected]
 
@@ -119,7 +119,7 @@ def test_mini_and_shell_rollouts_line_up_with_captures_rewards_and_traces(proxy,
     joined = schema.read(tmp_path / "joined.parquet")
     sessions = read_sessions(mini_run)
     expect = {
-        r["session_id"]: (r["task_id"], r["sample_id"], 1.0 if r["task_id"] == ids[0] else 0.0)
+        r["session_id"]: (r["task_id"], r["sample_id"], 1.0 if r["task_id"] == tasks["fixed"]["instance_id"] else 0.0)
         for r in sessions.iter_rows(named=True)
     }
     mine = joined.filter(pl.col("session_id").is_in(list(expect)))
