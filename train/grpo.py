@@ -40,7 +40,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import math
 import sys
 import time
 import warnings
@@ -52,7 +51,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import set_seed
 
 from train import data, losses, runtime
 from train.data import DataError, MicroBatch, Trace
@@ -123,7 +122,8 @@ class Config:
     """Deviation (Polar: 32k prompt + 16k response): tokens per trace; a longer trace loses its response end.
     32k fits one 80 GB GPU's activations for a 4B model with checkpointing; raise it where memory allows."""
     micro_batch_tokens: int = 32768
-    """Not in Polar (it packs 30k tokens per GPU): tokens per forward pass: traces are packed into one row up to this budget, without padding."""
+    """Not in Polar (it packs 30k tokens per GPU): tokens per forward pass; traces are packed into one row up
+    to this budget, without padding."""
     logprob_chunk: int = 512
     """Positions projected to the vocabulary at once: (chunk, vocab) logits are the most that ever exist."""
     gradient_checkpointing: bool = True
@@ -416,12 +416,8 @@ def main(cfg: Config) -> None:
             accelerator.sync_gradients = last  # DeepSpeed steps its engine at the boundary only
             with contextlib.nullcontext() if last else accelerator.no_sync(policy):  # one all-reduce per step
                 loss += accumulate(accelerator, policy, mb.to(device), old.get((p, j)), cfg, importance, stats)
-        grad_norm = accelerator.clip_grad_norm_(trainable, cfg.grad_clip or math.inf)
-        grad_norm = float(grad_norm) if grad_norm is not None else math.nan
-        loss = float(accelerator.reduce(torch.tensor(loss, device=device, dtype=torch.float64), "sum"))
-        # DeepSpeed reports no norm here (its engine has already stepped): then only the loss is checked.
-        deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
-        if math.isfinite(loss) and (math.isfinite(grad_norm) or deepspeed):
+        loss, grad_norm, finite = runtime.clip_and_reduce(accelerator, trainable, cfg.grad_clip, loss)
+        if finite:
             optimizer.step()
             scheduler.step()
             progress.bad_steps = 0
@@ -434,8 +430,7 @@ def main(cfg: Config) -> None:
         sessions = plan[p]
         r = rollout.reward[sessions]  # (|B|,)
         seconds = time.perf_counter() - t0
-        tokens = accelerator.reduce(torch.tensor(sum(mb.input_ids.shape[1] for mb in mbs if len(mb.sel)),
-                                                 device=device), "sum").item()  # fmt: skip
+        tokens = runtime.step_tokens(accelerator, mbs)
         row = {"step": k + 1, "epoch": k // len(plan), "loss/total": loss, **row,
                "optim/grad_norm": grad_norm, "optim/lr": scheduler.get_last_lr()[0],
                "optim/skipped": int(progress.bad_steps > 0), "reward/mean": float(r.mean()),

@@ -20,6 +20,7 @@ import torch
 import tyro
 import yaml
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 
 from train.data import MicroBatch
 
@@ -31,11 +32,13 @@ __all__ = [
     "NoLog",
     "Progress",
     "StepStats",
+    "clip_and_reduce",
     "config_yaml",
     "keep_trainable_weights",
     "parse_config",
     "save_adapter",
     "save_checkpoint",
+    "step_tokens",
     "yaml_args",
 ]
 
@@ -225,3 +228,21 @@ def parse_config(cls: type[C], argv: Sequence[str] | None, error: type[Exception
     except (OSError, ValueError) as e:
         raise error(str(e)) from e
     return tyro.cli(cls, args=prefix + argv)
+
+
+def clip_and_reduce(accelerator: Accelerator, trainable: list[torch.nn.Parameter], grad_clip: float | None,
+                    loss: float) -> tuple[float, float, bool]:  # fmt: skip
+    """After a step's backward passes (called by every rank): clip the global gradient norm, sum the loss over
+    ranks, and say whether the step may be taken, ``(loss, grad_norm, finite)``. DeepSpeed reports no norm here
+    (its engine has already stepped): then only the loss is checked."""
+    norm = accelerator.clip_grad_norm_(trainable, grad_clip or math.inf)
+    grad_norm = float(norm) if norm is not None else math.nan
+    loss = float(accelerator.reduce(torch.tensor(loss, device=accelerator.device, dtype=torch.float64), "sum"))
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    return loss, grad_norm, math.isfinite(loss) and (math.isfinite(grad_norm) or deepspeed)
+
+
+def step_tokens(accelerator: Accelerator, mbs: list[MicroBatch]) -> int:
+    """Tokens the step's forward passes read on every rank together (padding passes of idle ranks left out)."""
+    mine = torch.tensor(sum(mb.input_ids.shape[1] for mb in mbs if len(mb.sel)), device=accelerator.device)
+    return int(accelerator.reduce(mine, "sum").item())

@@ -44,7 +44,7 @@ from typing import Literal
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import set_seed
 
 from train import data, losses, runtime
 from train.data import DataError, MicroBatch, Trace
@@ -268,13 +268,9 @@ def main(cfg: Config) -> None:
             accelerator.sync_gradients = last  # DeepSpeed steps its engine at the boundary only
             with contextlib.nullcontext() if last else accelerator.no_sync(policy):  # one all-reduce per step
                 loss += accumulate(accelerator, policy, mb.to(device), stats)
-        grad_norm = accelerator.clip_grad_norm_(trainable, cfg.grad_clip or math.inf)
-        grad_norm = float(grad_norm) if grad_norm is not None else math.nan
-        loss = float(accelerator.reduce(torch.tensor(loss, device=device, dtype=torch.float64), "sum"))
+        loss, grad_norm, finite = runtime.clip_and_reduce(accelerator, trainable, cfg.grad_clip, loss)
         lr = optimizer.param_groups[0]["lr"]
-        # DeepSpeed reports no norm here (its engine has already stepped): then only the loss is checked.
-        deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
-        if math.isfinite(loss) and (math.isfinite(grad_norm) or deepspeed):
+        if finite:
             optimizer.step()
             bad_steps = 0
         else:
@@ -283,8 +279,7 @@ def main(cfg: Config) -> None:
         optimizer.zero_grad(set_to_none=True)
 
         seconds = time.perf_counter() - t0
-        tokens = accelerator.reduce(torch.tensor(sum(mb.input_ids.shape[1] for mb in mbs if len(mb.sel)),
-                                                 device=device), "sum").item()  # fmt: skip
+        tokens = runtime.step_tokens(accelerator, mbs)
         row = {"step": k + 1, "epoch": epoch, "loss/nll": loss, **stats.finish(accelerator),
                "optim/grad_norm": grad_norm, "optim/lr": lr, "optim/skipped": int(bad_steps > 0),
                "perf/step_s": seconds, "perf/tokens": tokens, "perf/tokens_per_s": tokens / seconds}  # fmt: skip
