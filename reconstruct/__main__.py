@@ -6,7 +6,8 @@
     python -m reconstruct audit trajectories.parquet --model DIR [--threshold 0.01]
 
 The first form writes the table and ``trajectories.stats.json`` next to it, and prints the stats (sessions,
-calls, traces, tokens, chain breaks by cause). Exit status 0 on success, 2 on bad options or unreadable input.
+calls, traces, tokens, chain breaks by cause). Exit status 0 on success, 2 on bad options or unreadable input, and
+2 without writing anything when the captures hold no usable model call (a folder of garbage is not an empty run).
 """
 
 from __future__ import annotations
@@ -120,9 +121,23 @@ def build(config: Build) -> None:
         jobs=config.jobs if config.jobs is not None else _auto_jobs(config.captures),
         progress=(lambda names: tqdm(names, unit="session", disable=None)) if config.progress else None,
     )
+    if df.height == 0:
+        raise ReconstructError(_nothing_usable(config.captures, stats))
     write_trajectories(df, stats, config.output)
     console.print(stats.table(f"{config.output} ({time.perf_counter() - started:.1f} s)"))
     console.print(f"wrote {config.output} and {stats_path(config.output)}", markup=False, soft_wrap=True)
+
+
+def _nothing_usable(captures: tuple[Path, ...], stats: Any) -> str:
+    where = ", ".join(map(str, captures)) + (f" (shard {stats.shard})" if stats.shard else "")
+    found = (
+        f"{stats.lines:,} lines: {stats.corrupt_lines:,} corrupt, {stats.torn_lines:,} torn, "
+        f"{stats.unsupported_records:,} of another format version, {stats.duplicate_records:,} duplicates, "
+        f"{stats.other_records:,} not model calls; {stats.calls:,} model calls"
+    )
+    dropped = ", ".join(f"{n:,} {why.replace('_', ' ')}" for why, n in sorted(stats.dropped.items()))
+    hint = " (calls recorded without token ids need --tokenizer)" if "missing_ids" in stats.dropped else ""
+    return f"no usable model call in {where}: {found}" + (f", dropped: {dropped}{hint}" if dropped else "") + "; nothing written"
 
 
 def _auto_jobs(captures: tuple[Path, ...]) -> int:

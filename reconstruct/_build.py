@@ -102,6 +102,8 @@ def reconstruct(
         stats.corrupt_lines += index.counts.corrupt  # found indexing here, and (single process) reading back
         stats.torn_lines = index.counts.torn
         stats.unsupported_records = index.counts.unsupported
+        stats.duplicate_records = index.counts.duplicates
+        stats.glued_lines = index.counts.glued
     if not frames:
         frames = [_frame({name: [] for name in schema.SCHEMA})]
     # Not rechunked: a copy of the whole table would double the peak for nothing (the writer takes chunks).
@@ -145,8 +147,9 @@ def _build(
     mode, on_drift, eot = options.mode, options.on_drift, options.eot
     for session in names:
         next(ticks, None)
-        calls = []
+        calls, records = [], []
         for record in index.records(session):
+            records.append(record)
             found = extract(record, options.retokenizer)
             if found is None:
                 stats.other_records += 1
@@ -165,6 +168,8 @@ def _build(
         for k, trace in enumerate(traces):
             _add_row(rows, session, k, task, sample, trace)
             _count_trace(trace, stats)
+        # Request bodies are parsed when first needed, so only now is it known which ones were and did not parse.
+        stats.unreadable_bodies += sum(getattr(r, "unreadable_bodies", False) for r in records)
         if len(rows["trace_id"]) >= FRAME_ROWS:
             frames.append(_frame(rows))
     if rows["trace_id"]:

@@ -17,8 +17,8 @@ from typing import Any
 import polars as pl
 
 from reconstruct._errors import CaptureError, ConfigError
-from reconstruct._json import dumps, loads
-from reconstruct._lines import LineIndexer, parse_head
+from reconstruct._json import dumps, loads, loads_like_upstream
+from reconstruct._lines import HEAD_BYTES, RECORD_START, LineIndexer, LineRef, parse_head
 
 __all__ = ["CaptureIndex", "CaptureRecord", "discover", "has_upstream_request", "parse_record", "read_sessions", "write_text_atomic"]
 
@@ -48,6 +48,48 @@ class IndexCounts:
     corrupt: int = 0  # lines that do not parse as a record
     torn: int = 0  # unterminated last lines (a writer killed mid-line)
     unsupported: int = 0  # records of another format version
+    duplicates: int = 0  # records whose id an earlier line already had (a copied capture file): skipped
+    glued: int = 0  # lines holding more than one record (a torn line the next record was appended to): split
+
+
+class _Cuts:
+    """Where records start in the middle of a line, found block by block as a file is indexed.
+
+    A writer killed mid-line leaves a torn record; a later writer appends the next record right after it, so one
+    line holds the end of one session's record and the start of another's. A record starts with ``RECORD_START``
+    (the writer's layout); inside a line that can only be a record glued on, since JSON strings escape quotes and
+    a request body would need the writer's own head fields in its order to match ``parse_head``.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._tail = b""  # the previous block's last bytes: a start may straddle two blocks
+        self.found: list[int] = []  # file offsets, ascending, of the starts not yet passed
+
+    def scan(self, block: bytes, offset: int) -> None:
+        data, base = self._tail + block, offset - len(self._tail)
+        i = data.find(RECORD_START, 1)  # at 0 it was seen with the previous block, or it starts the file
+        while i > 0:
+            if data[i - 1] != 0x0A and parse_head(os.pread(self._fd, HEAD_BYTES, base + i)) is not None:
+                self.found.append(base + i)
+            i = data.find(RECORD_START, i + 1)
+        self._tail = data[-len(RECORD_START) :]
+
+    def split(self, ref: LineRef) -> list[LineRef]:
+        """``ref`` cut at the record starts inside it (itself when there is none)."""
+        end = ref.offset + ref.length
+        if not self.found or self.found[0] >= end:
+            return [ref]
+        inside = [c for c in self.found if ref.offset < c < end]
+        self.found = [c for c in self.found if c >= end]  # lines come in file order
+        if not inside:
+            return [ref]
+        starts = [ref.offset, *inside]
+        pieces = []
+        for start, stop in zip(starts, [*inside, end]):
+            head = ref.head if start == ref.offset else os.pread(self._fd, HEAD_BYTES, start)
+            pieces.append(LineRef(start, stop - start, head[: stop - start]))
+        return pieces
 
 
 class CaptureIndex:
@@ -57,6 +99,7 @@ class CaptureIndex:
         self.files = files
         self.counts = IndexCounts()
         self.sessions: dict[str, list[tuple[int, int, int]]] = {}  # session -> [(file, offset, length)]
+        self._ids: set[str] = set()  # record ids seen, to skip a record met twice (a copied capture file)
         self._fds: list[int] = []
         try:
             for number, path in enumerate(files):
@@ -83,29 +126,39 @@ class CaptureIndex:
         # Read in blocks rather than mapped: a mapping would count the whole file as this process's memory.
         indexer = LineIndexer()
         fd = self._fds[number]
+        cuts = _Cuts(fd)
         offset = 0
         while block := os.pread(fd, BLOCK, offset):
+            cuts.scan(block, offset)  # before the lines: a line ends in this block, so do its cuts
             offset += len(block)
             for ref in indexer.decode(block):
-                self._add(number, ref.offset, ref.length, ref.head)
+                if ref.length == 0:
+                    continue
+                self.counts.lines += 1
+                pieces = cuts.split(ref)
+                self.counts.glued += len(pieces) > 1
+                for piece in pieces:
+                    self._add(number, piece.offset, piece.length, piece.head)
         if indexer.flush() is not None:
             self.counts.torn += 1
 
     def _add(self, number: int, offset: int, length: int, head: bytes) -> None:
-        if length == 0:
-            return
-        self.counts.lines += 1
         found = parse_head(head)
         if found is not None:
-            version, session = found.version, found.session_id
+            version, record_id, session = found.version, found.id, found.session_id
         else:  # not the writer's usual layout: parse the whole line for its session
             record = self._parse(os.pread(self._fds[number], length, offset))
             if record is None:
                 return
-            version, session = record.get("v"), record.get("session_id")
+            version, record_id, session = record.get("v"), record.get("id"), record.get("session_id")
         if version != FORMAT_VERSION or not isinstance(session, str):
             self.counts.unsupported += 1
             return
+        if isinstance(record_id, str):
+            if record_id in self._ids:
+                self.counts.duplicates += 1
+                return
+            self._ids.add(record_id)
         self.sessions.setdefault(session, []).append((number, offset, length))
 
     def _parse(self, line: bytes | bytearray) -> dict[str, Any] | None:
@@ -150,14 +203,15 @@ class CaptureRecord(dict):  # type: ignore[type-arg]
     def __init__(self, head: dict[str, Any], bodies: memoryview) -> None:
         super().__init__(head)
         self._bodies: memoryview | None = bodies  # '{"request": ..., "upstream_request": ...}'
+        self.unreadable_bodies = False  # the bodies were read and did not parse (counted in the stats)
 
     def _load(self) -> None:
         if self._bodies is not None:
             bodies, self._bodies = self._bodies, None
             try:
-                parsed = loads(bodies)
+                parsed = loads_like_upstream(bodies)  # NaN and Infinity as vLLM reads them
             except ValueError:  # the head parsed, the bodies do not: keep the answer, lose the request
-                parsed = {}
+                parsed, self.unreadable_bodies = {}, True
             self["request"] = parsed.get("request")
             self["upstream_request"] = parsed.get("upstream_request")
 
@@ -196,7 +250,7 @@ def parse_record(line: bytearray) -> dict[str, Any] | None:
         view.release()
         line[cut : cut + 2] = _BODIES[:2]
     try:
-        record = loads(line)
+        record = loads_like_upstream(line)
     except ValueError:
         return None
     return record if isinstance(record, dict) else None

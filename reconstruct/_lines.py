@@ -16,9 +16,10 @@ import re
 
 from reconstruct._json import loads
 
-__all__ = ["Head", "LineIndexer", "LineRef", "parse_head"]
+__all__ = ["HEAD_BYTES", "RECORD_START", "Head", "LineIndexer", "LineRef", "parse_head"]
 
 HEAD_BYTES = 512
+RECORD_START = b'{"v": '  # the first bytes of every record the writer writes
 
 # The writer (addon/record.py ``encode``) starts every record with these keys, in this order.
 _HEAD = re.compile(rb'^\{"v": (\d+), "id": "([0-9a-f]+)", "session_id": "((?:[^"\\]|\\.)*)"')

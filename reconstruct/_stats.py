@@ -25,6 +25,9 @@ class Stats:
     corrupt_lines: int = 0  # did not parse as a record: counted, skipped
     torn_lines: int = 0  # unterminated last line of a file
     unsupported_records: int = 0  # another capture format version
+    duplicate_records: int = 0  # a record id seen before (a copied capture file): skipped, never trained twice
+    glued_lines: int = 0  # lines holding more than one record (a torn line with the next appended): split apart
+    unreadable_bodies: int = 0  # records whose request bodies did not parse: answer kept, messages/tools/model lost
     other_records: int = 0  # not model calls (/v1/models, count_tokens, unknown paths)
     # Calls
     sessions: int = 0
@@ -54,7 +57,8 @@ class Stats:
     def add(self, part: Stats) -> None:
         """Fold in the per-session counts of a part of the run (a worker's batch of sessions)."""
         for name in ("sessions", "calls", "merged_calls", "retokenized_calls", "other_records", "traces",
-                     "drift_turns", "tokens_prompt", "tokens_trainable", "tokens_masked", "corrupt_lines"):  # fmt: skip
+                     "drift_turns", "tokens_prompt", "tokens_trainable", "tokens_masked", "corrupt_lines",
+                     "unreadable_bodies"):  # fmt: skip
             setattr(self, name, getattr(self, name) + getattr(part, name))
         self.max_calls_per_trace = max(self.max_calls_per_trace, part.max_calls_per_trace)
         for mine, theirs in ((self.dropped, part.dropped), (self.notes, part.notes), (self.breaks, part.breaks)):
@@ -77,6 +81,8 @@ class Stats:
             ("capture files / lines", f"{self.files:,} / {self.lines:,}"),
             ("corrupt / torn lines (skipped)", f"{self.corrupt_lines:,} / {self.torn_lines:,}"),
             ("records of another version / not model calls", f"{self.unsupported_records:,} / {self.other_records:,}"),
+            ("duplicate records (skipped) / glued lines (split)", f"{self.duplicate_records:,} / {self.glued_lines:,}"),
+            ("records with unreadable request bodies", f"{self.unreadable_bodies:,}"),
             ("sessions", f"{self.sessions:,}"),
             ("model calls / in traces", f"{self.calls:,} / {self.merged_calls:,}"),
             ("retokenized calls", f"{self.retokenized_calls:,}"),

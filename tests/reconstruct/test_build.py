@@ -157,3 +157,73 @@ def test_bad_inputs(tmp_path):
     shutil.copy(__file__, tmp_path / "x.jsonl")  # not records at all: every line is corrupt, nothing is built
     df, stats = reconstruct([tmp_path])
     assert df.height == 0 and stats.corrupt_lines > 0 and stats.sessions == 0
+
+
+# --- hostile input (issue 16): records met twice, glued lines, bodies only Python's json reads ---------------------
+
+
+def _vllm_lines(captures):
+    (path,) = captures.vllm_dir.glob("*.jsonl")
+    return path.name, path.read_bytes().split(b"\n")[:-1]
+
+
+@pytest.fixture(scope="module")
+def reference(captures):
+    return reconstruct([captures.vllm_dir])
+
+
+def test_a_copied_capture_file_is_read_once(captures, reference, tmp_path):
+    name, lines = _vllm_lines(captures)
+    shutil.copy(captures.vllm_dir / name, tmp_path / name)
+    shutil.copy(captures.vllm_dir / name, tmp_path / "stray copy.jsonl")
+    df, stats = reconstruct([tmp_path])
+    assert_frame_equal(df, reference[0])
+    assert (stats.lines, stats.duplicate_records, stats.calls) == (2 * len(lines), len(lines), reference[1].calls)
+
+
+def test_glued_lines_are_split_into_their_records(captures, reference, tmp_path):
+    """A record appended to a line that never got its newline (a writer killed mid-line, then restarted): whole,
+    both records count; torn, the torn one is corrupt and the other is read. A trace never mixes sessions."""
+    name, lines = _vllm_lines(captures)
+    sessions = [json.loads(line)["session_id"] for line in lines]
+    i = next(i for i in range(len(lines) - 1) if sessions[i] != sessions[i + 1])
+    whole = lines[:i] + [lines[i] + lines[i + 1]] + lines[i + 2 :]
+    (tmp_path / "whole").mkdir()
+    (tmp_path / "whole" / name).write_bytes(b"\n".join(whole) + b"\n")
+    df, stats = reconstruct([tmp_path / "whole"])
+    assert_frame_equal(df, reference[0])
+    assert (stats.lines, stats.glued_lines, stats.corrupt_lines, stats.calls) == (len(lines) - 1, 1, 0, len(lines))
+
+    torn = lines[:i] + [lines[i][: len(lines[i]) // 2] + lines[i + 1]] + lines[i + 2 :]
+    (tmp_path / "torn").mkdir()
+    (tmp_path / "torn" / name).write_bytes(b"\n".join(torn) + b"\n")
+    df, stats = reconstruct([tmp_path / "torn"])
+    assert (stats.glued_lines, stats.corrupt_lines, stats.calls) == (1, 1, len(lines) - 1)
+    session_of = {json.loads(line)["id"]: s for line, s in zip(lines, sessions)}
+    lost = json.loads(lines[i])["id"]
+    assert {e for ids in df["exchange_ids"] for e in ids} == set(session_of) - {lost}
+    for session, ids in df.select("session_id", "exchange_ids").iter_rows():
+        assert {session_of[e] for e in ids} == {session}
+
+
+def test_nan_and_infinity_in_request_bodies_are_read_as_the_upstream_reads_them(captures, reference, tmp_path):
+    """Python's json.dumps writes NaN and Infinity, vLLM reads them: the request (messages, tools, model) is kept."""
+    name, lines = _vllm_lines(captures)
+    text = b"\n".join(lines) + b"\n"
+    odd = text.replace(b'"temperature":0', b'"temperature":NaN').replace(b'"model":"tiny"', b'"model":"tiny","x":-Infinity', 1)
+    assert odd.count(b"NaN") == len(lines) and b"-Infinity" in odd
+    (tmp_path / name).write_bytes(odd)
+    df, stats = reconstruct([tmp_path])
+    assert_frame_equal(df, reference[0])
+    assert stats.unreadable_bodies == 0 and df["model"].null_count() == 0
+
+
+def test_request_bodies_that_do_not_parse_are_counted(captures, reference, tmp_path):
+    """The head parses, the bodies do not: the answer's tokens are kept, and each lost request is counted."""
+    name, lines = _vllm_lines(captures)
+    key = b'"request": '
+    damaged = [line.replace(key, key + b"{oops", 1) for line in lines]
+    (tmp_path / name).write_bytes(b"\n".join(damaged) + b"\n")
+    df, stats = reconstruct([tmp_path])
+    assert (stats.corrupt_lines, stats.calls, df.height) == (0, reference[1].calls, reference[0].height)
+    assert stats.unreadable_bodies >= df.height and df["model"].null_count() == df.height  # each row's last call

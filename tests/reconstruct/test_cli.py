@@ -50,3 +50,16 @@ def test_python_m_reconstruct(captures, tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert schema.read(out).height == 25 and "25 (per-request" in done.stderr
+
+
+def test_no_usable_record_exits_non_zero_and_writes_nothing(captures, tmp_path, capsys):
+    """Issue 16: a folder of garbage is an error, not an empty table; so are calls that all lack token ids."""
+    (tmp_path / "garbage").mkdir()
+    (tmp_path / "garbage" / "x.jsonl").write_bytes(b"hello\n{\"v\": 1}\n\x00\xff\n")
+    out = tmp_path / "t.parquet"
+    assert main([str(tmp_path / "garbage"), "-o", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "no usable model call" in err and "3 lines: 2 corrupt" in err and "nothing written" in err
+    assert main([str(captures.plain_dir), "-o", str(out), "--no-progress"]) == 2
+    assert "6 missing ids (calls recorded without token ids need --tokenizer)" in capsys.readouterr().err
+    assert not out.exists() and not (tmp_path / "t.stats.json").exists()
