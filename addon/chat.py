@@ -18,6 +18,7 @@ A field the client set is never changed.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from addon.record import merge_fields
@@ -64,6 +65,9 @@ def token_fields(body: dict[str, Any], upstream: str) -> dict[str, Any]:
     return added
 
 
+_EMPTY_REST = re.compile(rb"[ \t\r\n]*}")
+
+
 def splice(raw: bytes, body: dict[str, Any], added: dict[str, Any]) -> tuple[bytes, bool]:
     """The upstream body: the client's ``raw`` JSON with ``added`` fields, and whether it is a pure addition.
 
@@ -84,9 +88,10 @@ def splice(raw: bytes, body: dict[str, Any], added: dict[str, Any]) -> tuple[byt
     if not new:
         return raw, True
     head = json.dumps(new).encode("ascii")[1:-1]
-    rest = raw[raw.index(b"{") + 1 :]
-    sep = b"" if rest.lstrip().startswith(b"}") else b","
-    return b"{" + head + sep + rest, True
+    start = raw.index(b"{") + 1
+    rest = memoryview(raw)[start:]  # a view: the body is copied once, into the result
+    empty = _EMPTY_REST.match(raw, start) is not None  # the client sent {}: no comma after our fields
+    return b"".join((b"{", head, b"" if empty else b",", rest)), True
 
 
 def error_body(status: int, message: str, kind: str = "upstream_error") -> dict[str, Any]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import ipaddress
+import json
 import logging
 import os
 import secrets
@@ -35,7 +36,7 @@ if __package__ in (None, "", "__mitmproxy_script__"):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from addon import chat, native, proxy_errors, reroute, responses, session, translating  # noqa: E402
-from addon.record import Body, Exchange  # noqa: E402
+from addon.record import FORMAT_VERSION, Body, Exchange  # noqa: E402
 from addon.writer import CaptureWriter  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ UPSTREAMS = ("vllm", "sglang", "plain")
 TRANSLATE = ("auto", "never")
 METADATA_KEY = "polar"
 SALT_FILE = ".session-salt"
+HEALTH_PATH = "/polar/health"  # answered by the addon itself: clients check it before they send model calls
 
 
 def detect_api(path: str, headers: dict[str, str], body: Any) -> str:
@@ -71,7 +73,12 @@ def detect_api(path: str, headers: dict[str, str], body: Any) -> str:
 
 
 def guarded(hook: Callable[..., None]) -> Callable[..., None]:
-    """An error in the addon is logged and costs at most this exchange's record, never the proxy."""
+    """An error in the addon is logged and costs at most this exchange's record, never the proxy.
+
+    A model call whose request hook failed is answered here (400 for a body nested too deeply to
+    handle, else 500, in the API's shape) and recorded as an error, never forwarded half-handled:
+    it could otherwise reach the upstream unrecorded or untranslated.
+    """
 
     @functools.wraps(hook)
     def run(self: "Polar", flow: http.HTTPFlow) -> None:
@@ -83,6 +90,8 @@ def guarded(hook: Callable[..., None]) -> Callable[..., None]:
             ex = flow.metadata.get(METADATA_KEY)
             if isinstance(ex, Exchange) and ex.error is None:
                 ex.error = {"kind": "addon", "message": f"{hook.__name__}: {type(e).__name__}: {e}"}
+            if hook.__name__ == "request" and flow.response is None:
+                self._refuse_failed_request(flow, e)
 
     return run
 
@@ -104,6 +113,9 @@ class Polar:
     def __init__(self) -> None:
         self.writer: CaptureWriter | None = None
         self._salt: bytes | None = None
+        self.refused = 0  # model calls answered 503 because recording did not work
+        self.backlog_bytes = 256 << 20
+        self._handing_over: dict[str, Exchange] = {}  # by id: submitted on the next loop step; done() flushes them
         self.upstream = "vllm"
         self.upstream_key = ""
         self.translate = True
@@ -135,6 +147,12 @@ class Polar:
         )
         loader.add_option("polar_fsync", bool, False, "fsync each batch of records (survives power loss; slower).")
         loader.add_option("polar_rotate_mb", int, 256, "Start a new capture file once the current one passes this size (MiB).")
+        loader.add_option(
+            "polar_backlog_mb",
+            int,
+            256,
+            "Refuse model calls (503) while more than this many MiB of records wait to be written (a slow or full disk).",
+        )
 
     def configure(self, updated: set[str]) -> None:
         opts = ctx.options
@@ -146,6 +164,10 @@ class Polar:
             self.upstream = opts.polar_upstream
         if "polar_rotate_mb" in updated and opts.polar_rotate_mb < 1:
             raise exceptions.OptionsError(f"polar_rotate_mb must be at least 1, not {opts.polar_rotate_mb}")
+        if "polar_backlog_mb" in updated:
+            if opts.polar_backlog_mb < 1:
+                raise exceptions.OptionsError(f"polar_backlog_mb must be at least 1, not {opts.polar_backlog_mb}")
+            self.backlog_bytes = opts.polar_backlog_mb << 20
         if "polar_translate" in updated and opts.polar_translate not in TRANSLATE:
             raise exceptions.OptionsError(f"polar_translate must be auto or never, not {opts.polar_translate!r}")
         self.upstream_key = opts.polar_upstream_key
@@ -194,12 +216,74 @@ class Polar:
 
     def done(self) -> None:
         if self.writer is not None:
-            self.writer.close()
+            for ex in list(self._handing_over.values()):  # answered calls whose hand-over the loop did not reach
+                self._hand_over(ex)
+            self.writer.close()  # bounded, also on a full disk; logs every record it could not write
             self.writer = None
+
+    def health(self) -> dict[str, Any]:
+        """What ``GET /polar/health`` answers: the addon is loaded, its options, and whether it records."""
+        opts = ctx.options
+        problem = self._recording_problem()
+        writer = self.writer
+        return {
+            "loaded": True,
+            "format_version": FORMAT_VERSION,
+            "options": {
+                "polar_dir": str(Path(opts.polar_dir).resolve()),
+                "polar_upstream": opts.polar_upstream,
+                "polar_translate": opts.polar_translate,
+                "polar_model": opts.polar_model,
+                "polar_upstream_key_set": bool(opts.polar_upstream_key),
+                "polar_fsync": opts.polar_fsync,
+                "polar_rotate_mb": opts.polar_rotate_mb,
+                "polar_backlog_mb": opts.polar_backlog_mb,
+            },
+            "writable": problem is None and _writable_folder(Path(opts.polar_dir)),
+            "problem": problem,
+            "records_written": writer.records_written if writer else 0,
+            "backlog_bytes": writer.backlog_bytes if writer else 0,
+            "refused": self.refused,
+            "capture_file": str(writer.path) if writer and writer.path else None,
+        }
+
+    def _recording_problem(self) -> str | None:
+        """Why model calls cannot be recorded now, or None."""
+        if self.writer is None:
+            return "the capture writer is not running"
+        if self.writer.failure:
+            return f"capture writes fail ({self.writer.failure})"
+        if self.writer.backlog_bytes > self.backlog_bytes:
+            mb = self.writer.backlog_bytes / (1 << 20)
+            return f"{mb:.0f} MiB of records wait to be written (polar_backlog_mb={self.backlog_bytes >> 20})"
+        return None
+
+    def _refuse_failed_request(self, flow: http.HTTPFlow, e: Exception) -> None:
+        """A request hook that raised: answer the model call here and record why; forward nothing else."""
+        ex = flow.metadata.get(METADATA_KEY)
+        api = ex.api if isinstance(ex, Exchange) else detect_api(flow.request.path, {}, None)
+        if api == "other" and not isinstance(ex, Exchange):
+            return  # not a model call and not recorded: forwarded untouched, as any unknown path
+        if isinstance(e, RecursionError):
+            status, message = 400, "the request body is nested too deeply to handle"
+        else:
+            status, message = 500, f"polar could not handle this request: {type(e).__name__}"
+        flow.response = translating.json_response(status, translating.error_body(api, status, message))
+        if not isinstance(ex, Exchange):
+            ex = Exchange(
+                session_id="anonymous", session_source="anonymous", api=api, upstream=self.upstream,
+                method=flow.request.method, path=flow.request.path.partition("?")[0],
+                t_start=flow.request.timestamp_start or time.time(), request_headers={},
+            )  # fmt: skip
+            flow.metadata[METADATA_KEY] = ex
+        ex.error = {"kind": "request" if status == 400 else "addon", "message": message}
 
     @guarded
     def request(self, flow: http.HTTPFlow) -> None:
         # One hook for the whole request: each hook a script defines costs every flow a dispatch.
+        if flow.request.path.partition("?")[0] == HEALTH_PATH and flow.request.method in ("GET", "HEAD"):
+            flow.response = http.Response.make(200, json.dumps(self.health()), {"content-type": "application/json"})
+            return
         route = flow.metadata.get(reroute.ROUTE_KEY)  # None: reverse mode, every call is ours
         if route == reroute.PASS:
             return
@@ -240,12 +324,29 @@ class Polar:
             request_headers=session.recordable_headers(headers),
             request=request,
         )
-        flow.metadata[METADATA_KEY] = ex
-        if self.writer is not None and self.writer.failure and ex.api != "other":
-            message = f"polar is not recording ({self.writer.failure}); refusing model calls until it is"
-            flow.response = translating.json_response(503, translating.error_body(ex.api, 503, message))
-            ex.error = {"kind": "addon", "message": message}
+        if (problem := self._recording_problem()) and (ex.api != "other" or self.writer is None or self.writer.failure):
+            # Not recorded at all: a refusal kept with its body would fill the memory the backlog needs.
+            # A path that is no model call goes on unrecorded only while the disk fails (logged once there).
+            self.refused += ex.api != "other"
+            if ex.api != "other":
+                message = f"polar is not recording ({problem}); refusing model calls until it is"
+                flow.response = translating.json_response(503, translating.error_body(ex.api, 503, message))
             return
+        flow.metadata[METADATA_KEY] = ex
+        if request.too_deep and api != "other":  # json.loads gave up: answered and recorded, never forwarded
+            message = "the request body is JSON nested too deeply to handle"
+            flow.response = translating.json_response(400, translating.error_body(api, 400, message))
+            ex.error = {"kind": "request", "message": message}
+            return
+        self._rewrite(flow, ex, headers, data, to_provider)
+        # The record keeps the body's bytes; the parsed copy would double what a large body costs.
+        for kept in (ex.request, ex.upstream_request):
+            if kept is not None and kept.json_bytes is not None:
+                kept.value = None
+
+    def _rewrite(self, flow: http.HTTPFlow, ex: Exchange, headers: dict[str, str], data: bytes, to_provider: bool) -> None:
+        """Translate a native call, or add the token fields to a chat (or vLLM Responses) call."""
+        upstream = ex.upstream
         body = ex.request.value
         if ex.api in translating.NATIVE and self.translate and not to_provider and flow.request.method == "POST":
             translating.translate_request(flow, ex, headers, self.native_options)
@@ -321,7 +422,10 @@ class Polar:
         self._submit(ex)
 
     def _submit(self, ex: Exchange) -> None:
-        if ex.written or self.writer is None:
+        if ex.written:
+            return
+        if self.writer is None:  # an exchange ending after shutdown began: say so, never lose it silently
+            log.error("polar: NOT WRITTEN: record %s (session %s, %s): it ended after shutdown", ex.id, ex.session_id, ex.api)
             return
         ex.written = True
         ex.t_end = time.time()
@@ -332,7 +436,12 @@ class Polar:
             return
         # Hand over once this event-loop step is done: mitmproxy sends the answer to the client
         # after the response hook, and a writer woken now would compete with that for the GIL.
-        loop.call_soon(self.writer.submit, ex)
+        self._handing_over[ex.id] = ex
+        loop.call_soon(self._hand_over, ex)
+
+    def _hand_over(self, ex: Exchange) -> None:
+        if self._handing_over.pop(ex.id, None) is not None and self.writer is not None:
+            self.writer.submit(ex)
 
 
 def _load_salt(path: Path) -> bytes:
@@ -349,6 +458,14 @@ def _load_salt(path: Path) -> bytes:
         with os.fdopen(fd, "wb") as f:
             f.write(salt)
         return salt
+
+
+def _writable_folder(directory: Path) -> bool:
+    """The capture folder, or the nearest folder above it that exists (it is created with the first record), is writable."""
+    for folder in (directory, *directory.resolve().parents):
+        if folder.exists():
+            return folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)
+    return False
 
 
 def _recordable_response_headers(response: http.Response) -> dict[str, str]:

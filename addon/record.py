@@ -54,7 +54,8 @@ field                  meaning
 ``complete``           false when the exchange did not finish (stream broken, client gone, error)
 ``error``              null, or ``{"kind": str, "message": str}``: ``upstream`` (refused, reset),
                        ``client`` (disconnected), ``decode`` (content-encoding), ``translate``
-                       (a native request or answer that could not be mapped), ``addon``
+                       (a native request or answer that could not be mapped), ``request`` (a body
+                       the addon refused with a 400, e.g. JSON nested too deeply), ``addon``
 =====================  ==========================================================================
 
 Translated calls (``api`` anthropic | responses | google with ``polar_translate=auto``): ``request``
@@ -76,6 +77,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FORMAT_VERSION = 1
+_FOLD = bytes.maketrans(b"\r\n", b"  ")
 
 
 def new_record_id() -> str:
@@ -94,6 +96,7 @@ class Body:
     value: Any = None
     json_bytes: bytes | None = None
     raw: dict[str, str] | None = None
+    too_deep: bool = False  # JSON nested deeper than the parser recurses: kept raw, the call is refused
 
     @classmethod
     def parse(cls, data: bytes) -> "Body":
@@ -103,7 +106,12 @@ class Body:
             value = json.loads(data.decode("utf-8"))  # strict UTF-8: the record line must be UTF-8
         except (UnicodeDecodeError, ValueError):
             return cls(raw=raw_body(data))
-        return cls(value=value, json_bytes=data.replace(b"\r", b" ").replace(b"\n", b" "))
+        except RecursionError:
+            return cls(raw=raw_body(data), too_deep=True)
+        # The body itself when it has no line break (what JSON encoders write): a 50 MB prompt costs
+        # no copy here; else one copy with the breaks folded.
+        folded = data.translate(_FOLD) if b"\n" in data or b"\r" in data else data
+        return cls(value=value, json_bytes=folded)
 
     @property
     def is_json(self) -> bool:

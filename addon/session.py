@@ -5,11 +5,16 @@ rollout runner sets the key to the session id. The order of precedence:
 
 1. header ``x-polar-session``;
 2. a path prefix ``/s/<id>/...`` (stripped before forwarding);
-3. the API key (``Authorization: Bearer``, ``x-api-key``, ``x-goog-api-key``, ``?key=``) when it
-   looks like a session id and not like a provider secret;
+3. the API key (``Authorization: Bearer``, ``x-api-key``, ``x-goog-api-key``, or a query parameter
+   named like a key: ``?key=``, ``?api_key=``, ``?access_token=``, ... in any casing) when it looks
+   like a session id and not like a provider secret;
 4. else a salted hash of the key (``key-<16 hex>``): calls with one real key group together, and
    the key itself never reaches disk;
 5. else ``anonymous``.
+
+A header or path session id that looks like a provider secret (``sk-...``) is hashed the same way
+(``key_hash``), and every key-like query parameter is removed from the path, so no secret given
+in any of these places reaches disk.
 """
 
 from __future__ import annotations
@@ -24,7 +29,14 @@ SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 PATH_PREFIX = re.compile(r"^/s/([^/?]+)(/.*|$)")
 # Prefixes of real provider keys (OpenAI, Anthropic, Google, GitHub, Hugging Face, xAI, Groq, ...):
 # such a key is a secret even when it matches SESSION_ID, so it is hashed, never stored.
-SECRET_PREFIXES = ("sk-", "sk_", "AIza", "ghp_", "gho_", "github_pat_", "hf_", "xai-", "gsk_", "r8_", "pplx-", "nvapi-")
+SECRET_PREFIXES = (
+    "sk-", "sk_", "AIza", "ghp_", "gho_", "github_pat_", "hf_", "xai-", "gsk_", "r8_", "pplx-", "nvapi-", "eyJ",
+)  # fmt: skip
+# Query parameters that carry credentials, compared lower-cased with "-" read as "_".
+SECRET_QUERY_NAMES = frozenset(
+    ("key", "api_key", "apikey", "x_api_key", "access_token", "accesstoken", "token", "auth", "auth_token",
+     "id_token", "refresh_token", "session_token", "secret", "client_secret", "password", "bearer")
+)  # fmt: skip
 CREDENTIAL_HEADERS = ("authorization", "x-api-key", "x-goog-api-key")
 # Never recorded: credentials and cookies.
 PRIVATE_HEADERS = frozenset(CREDENTIAL_HEADERS + ("cookie", "proxy-authorization", "api-key"))
@@ -55,16 +67,21 @@ def resolve(headers: dict[str, str], path: str, salt: bytes) -> Session:
     key, credential_header = _client_key(headers, query_key)
 
     explicit = headers.get(SESSION_HEADER, "").strip()
-    if explicit and is_session_id(explicit):
-        return Session(explicit, "header", path, credential_header)
-    if path_id and is_session_id(path_id):
-        return Session(path_id, "path", path, credential_header)
+    for given, source in ((explicit, "header"), (path_id, "path")):
+        if given and is_session_id(given):
+            if looks_secret(given):  # a key pasted where the session id goes
+                return Session(key_hash(given, salt), "key_hash", path, credential_header)
+            return Session(given, source, path, credential_header)
     if key and is_session_id(key) and not looks_secret(key):
         return Session(key, "api_key", path, credential_header)
     if key:
-        digest = hashlib.sha256(salt + key.encode("utf-8", "surrogateescape")).hexdigest()
-        return Session(f"key-{digest[:16]}", "key_hash", path, credential_header)
+        return Session(key_hash(key, salt), "key_hash", path, credential_header)
     return Session("anonymous", "anonymous", path, credential_header)
+
+
+def key_hash(key: str, salt: bytes) -> str:
+    digest = hashlib.sha256(salt + key.encode("utf-8", "surrogateescape")).hexdigest()
+    return f"key-{digest[:16]}"
 
 
 def _client_key(headers: dict[str, str], query_key: str | None) -> tuple[str | None, str | None]:
@@ -79,16 +96,29 @@ def _client_key(headers: dict[str, str], query_key: str | None) -> tuple[str | N
     return None, None
 
 
+def is_secret_query_name(name: str) -> bool:
+    return name.strip().lower().replace("-", "_") in SECRET_QUERY_NAMES
+
+
 def _pop_query_key(path: str) -> tuple[str, str | None]:
-    """Remove ``key=`` (Google's API-key parameter) from the query string."""
+    """Remove every key-like parameter (``key=``, Google's; ``api_key=``, ``TOKEN=``, ...) from the
+    query string; the first non-empty one, ``key`` preferred, is the client's key."""
     base, sep, query = path.partition("?")
-    if not sep or "key=" not in query:
+    if not sep:
         return path, None
     pairs = parse_qsl(query, keep_blank_values=True)
-    key = next((v for k, v in pairs if k == "key"), None)
-    rest = [(k, v) for k, v in pairs if k != "key"]
+    secret = [(k.strip().lower(), v) for k, v in pairs if is_secret_query_name(k)]
+    if not secret:
+        return path, None
+    key = next((v for k, v in secret if k == "key" and v), None) or next((v for _, v in secret if v), None)
+    rest = [(k, v) for k, v in pairs if not is_secret_query_name(k)]
     return (base + "?" + urlencode(rest) if rest else base), key
 
 
 def recordable_headers(headers: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k not in PRIVATE_HEADERS}
+    """Headers without credentials and cookies, and without a session header that holds a secret."""
+    kept = {k: v for k, v in headers.items() if k not in PRIVATE_HEADERS}
+    given = kept.get(SESSION_HEADER)
+    if given is not None and (looks_secret(given.strip()) or not is_session_id(given.strip())):
+        del kept[SESSION_HEADER]  # the record's session_id says which session it was
+    return kept

@@ -3,8 +3,15 @@
 A record is handed over with :meth:`CaptureWriter.submit` and reaches the OS (one ``write`` per
 batch, no user-space buffer) as soon as the thread wakes, typically well under a millisecond later,
 so a ``kill -9`` of mitmdump loses nothing that ended before it. With ``fsync`` each batch is also
-forced to the disk. When a write fails the batch is kept and retried every second, and
-:attr:`CaptureWriter.failure` says why, so the addon can refuse new calls until recording works.
+forced to the disk.
+
+When a write fails (disk full, quota, I/O error) the lines that did not fully reach the file are
+cut off again (``ftruncate`` back to the last whole line, so no torn line is left), kept, and
+retried every :data:`RETRY_SECONDS`; :attr:`CaptureWriter.failure` says why, so the addon refuses
+new model calls until recording works. :attr:`CaptureWriter.backlog_bytes` is what waits in memory;
+the addon also refuses calls while it is over its bound. On :meth:`CaptureWriter.close` the writer
+keeps trying for a bounded time, then gives up and logs every record it could not write (id,
+session, API, status), also kept in :attr:`CaptureWriter.unwritten`.
 """
 
 from __future__ import annotations
@@ -15,14 +22,31 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from addon.record import Exchange, encode
 
 log = logging.getLogger(__name__)
 
-RETRY_SECONDS = 1.0
+RETRY_SECONDS = 0.5
+CLOSE_SECONDS = 5.0  # how long close() keeps retrying a failing disk before it gives up and says what it lost
 _STOP = object()
+
+
+@dataclass(frozen=True)
+class Line:
+    """One encoded record and what to say about it if it never reaches the disk."""
+
+    data: bytes
+    id: str
+    session_id: str
+    api: str
+    status: int | None
+    size: int  # what submit() counted into the backlog for it
+
+    def describe(self) -> str:
+        return f"record {self.id} (session {self.session_id}, {self.api}, status {self.status}, {len(self.data)} bytes)"
 
 
 class CaptureWriter:
@@ -41,6 +65,10 @@ class CaptureWriter:
         self.failure: str | None = None
         self.path: Path | None = None
         self.records_written = 0
+        self.unwritten: list[str] = []  # records given up at close, described
+        self._backlog = 0
+        self._lock = threading.Lock()
+        self._give_up_at: float | None = None  # set by close(): past it, each write gets one try
         self._fd: int | None = None
         self._size = 0
         self._stem = time.strftime("capture-%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
@@ -49,16 +77,34 @@ class CaptureWriter:
         self._thread = threading.Thread(target=self._run, name="polar-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, exchange: Exchange) -> None:
-        self._queue.put(exchange)
+    @property
+    def backlog_bytes(self) -> int:
+        """Bytes of records submitted and not yet on disk (bodies and chunks, before encoding)."""
+        return self._backlog
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Write everything submitted so far, then stop."""
+    def submit(self, exchange: Exchange) -> None:
+        size = exchange_size(exchange)
+        with self._lock:
+            self._backlog += size
+        self._queue.put((exchange, size))
+
+    def close(self, timeout: float | None = None) -> list[str]:
+        """Write everything submitted so far, then stop; a failing disk gets ``timeout`` seconds (default
+        :data:`CLOSE_SECONDS`). Returns (and logs) the records that could not be written.
+        """
+        timeout = CLOSE_SECONDS if timeout is None else timeout
+        self._give_up_at = time.monotonic() + timeout
         self._queue.put(_STOP)
-        self._thread.join(timeout)
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        # Past the deadline each remaining batch gets one more try; encoding a large backlog takes time too.
+        self._thread.join(timeout + 10.0)
+        if self._thread.is_alive():
+            log.error("polar: the capture writer did not finish within %.0f s; %d bytes of records may be lost", timeout + 10, self._backlog)
+        self._close_fd()
+        if self.unwritten:
+            log.error("polar: %d records were NOT written to %s:", len(self.unwritten), self.directory)
+            for what in self.unwritten:
+                log.error("polar: NOT WRITTEN: %s", what)
+        return self.unwritten
 
     def _run(self) -> None:
         while True:
@@ -68,52 +114,93 @@ class CaptureWriter:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            stop = _STOP in batch
-            lines = []
-            for item in batch:
-                if isinstance(item, Exchange):
-                    try:
-                        lines.append(encode(item, self.decode_content))
-                    except Exception:  # a bug here loses this record only
-                        log.exception("polar: could not encode record %s; it is lost", item.id)
-            group: list[bytes] = []
+            lines = [line for item in batch if isinstance(item, tuple) and (line := self._encode(*item))]
+            group: list[Line] = []
             size = self._size
             for line in lines:  # one write per burst, but a file ends near its size limit
                 group.append(line)
-                size += len(line)
+                size += len(line.data)
                 if size >= self.rotate_bytes:
-                    self._write_until_done(b"".join(group))
+                    self._write_until_done(group)
                     group, size = [], 0
             if group:
-                self._write_until_done(b"".join(group))
-            if stop:
+                self._write_until_done(group)
+            if _STOP in batch:
                 return
 
-    def _write_until_done(self, data: bytes) -> None:
+    def _encode(self, exchange: Exchange, size: int) -> Line | None:
+        try:
+            data = encode(exchange, self.decode_content)
+        except Exception as e:  # a bug here loses this record only, and says so
+            log.exception("polar: could not encode record %s; it is lost", exchange.id)
+            self._done(size)
+            self.unwritten.append(f"record {exchange.id} (session {exchange.session_id}): not encodable: {e}")
+            return None
+        return Line(data, exchange.id, exchange.session_id, exchange.api, exchange.status, size)
+
+    def _done(self, size: int) -> None:
+        with self._lock:
+            self._backlog -= size
+
+    def _write_until_done(self, lines: list[Line]) -> None:
         if self._fd is not None and self._size >= self.rotate_bytes:
             self._close_fd()
-        pending = memoryview(data)
-        while pending:
-            try:
-                if self._fd is None:
-                    self._open_next()
-                assert self._fd is not None
-                while pending:  # a failed write keeps what already reached the file
-                    n = os.write(self._fd, pending)
-                    pending = pending[n:]
-                    self._size += n
-                if self.fsync:
-                    os.fsync(self._fd)
-            except OSError as e:
-                if self.failure is None:
-                    log.error("polar: capture write failed (%s); refusing model calls until it works", e)
-                self.failure = f"{type(e).__name__}: {e}"
-                time.sleep(RETRY_SECONDS)
-                continue
+        while lines:
+            written = self._write_once(b"".join(line.data for line in lines))
+            whole = 0  # lines fully on disk
+            for line in lines:
+                if written < len(line.data):
+                    break
+                written -= len(line.data)
+                whole += 1
+                self._done(line.size)
+            self.records_written += whole
+            lines = lines[whole:]
+            if not lines:
+                break
+            if self._give_up_at is not None and time.monotonic() >= self._give_up_at:
+                for line in lines:
+                    self._done(line.size)
+                    self.unwritten.append(f"{line.describe()}: {self.failure}")
+                return
+            time.sleep(RETRY_SECONDS)
         if self.failure is not None:
             log.warning("polar: capture writes work again")
             self.failure = None
-        self.records_written += data.count(b"\n")
+
+    def _write_once(self, data: bytes) -> int:
+        """Write ``data``; on failure cut a partial line back off the file. Returns the bytes kept on disk."""
+        start, done = self._size, 0
+        try:
+            if self._fd is None:
+                self._open_next()
+                start = self._size
+            assert self._fd is not None
+            pending = memoryview(data)
+            while pending:
+                n = os.write(self._fd, pending)
+                pending = pending[n:]
+                done += n
+                self._size += n
+            if self.fsync:
+                os.fsync(self._fd)
+            return done
+        except OSError as e:
+            if self.failure is None:
+                log.error("polar: capture write failed (%s); refusing model calls until it works", e)
+            self.failure = f"{type(e).__name__}: {e}"
+        if done and self._fd is not None:
+            # Keep the whole lines that made it; cut the torn tail so the file never holds half a record.
+            keep = data.rfind(b"\n", 0, done) + 1
+            try:
+                os.ftruncate(self._fd, start + keep)
+                self._size = start + keep
+                return keep
+            except OSError as e:  # cannot cut: leave the torn tail (readers skip it) and go on in a new file
+                log.error("polar: could not cut a partial record off %s (%s); continuing in a new file", self.path, e)
+                self._close_fd()
+                return keep
+        return 0
 
     def _open_next(self) -> None:
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -135,3 +222,14 @@ class CaptureWriter:
             except OSError:
                 pass
             self._fd = None
+
+
+def exchange_size(ex: Exchange) -> int:
+    """What a record holds in memory until it is written: its bodies and response chunks."""
+    size = sum(len(c) for c in ex.chunks)
+    for body in (ex.request, ex.upstream_request):
+        if body is not None and body.json_bytes is not None:
+            size += len(body.json_bytes)
+        elif body is not None and body.raw is not None:
+            size += sum(len(v) for v in body.raw.values())
+    return size

@@ -430,6 +430,9 @@ def main(command: Install | Run) -> None:
     if isinstance(command, Install):
         print(install(command.package_json, command.cache))
         return
+    from eval.services import check_proxy  # here: eval.services is not needed to install the CLIs
+
+    check_proxy(command.base_url)  # a proxy without the capture addon would forward the calls unrecorded
     result = run_harness(
         command.harness,
         command.prompt,

@@ -42,6 +42,7 @@ from rich.table import Table
 from addon.session import is_session_id, looks_secret
 from eval.harnesses import NPM_HARNESSES, Name, run_harness
 from eval.runs import LOGS, SESSION_STATUSES, SESSIONS, SESSIONS_SCHEMA, TASKS, write_sessions
+from eval.services import check_proxy
 from eval.tasks import checkout, load_tasks, save_tasks
 from eval.transparent import run_transparent
 
@@ -100,6 +101,9 @@ class Args:
     own URL and gets only HTTPS_PROXY and the CA (--ca-cert). For the npm harnesses."""
     ca_cert: Path | None = None
     """With --transparent: the proxy's CA, mitmproxy-ca-cert.pem in the mitmdump's confdir."""
+    proxy_check: bool = True
+    """Refuse to start unless --proxy answers GET /polar/health as a recording capture addon (off only for
+    harnesses that make no model call)."""
 
     def __post_init__(self) -> None:
         if self.samples < 1 or self.concurrency < 1:
@@ -261,6 +265,9 @@ def main(args: Args) -> int:
         raise ValueError(f"{args.tasks}: no tasks")
     proxy = args.proxy.rstrip("/").removesuffix("/v1")  # harness presets add /v1 where their API wants it
     args = dataclasses.replace(args, proxy=proxy)
+    if args.proxy_check:  # a proxy without the addon would forward every call unrecorded: no training data
+        health = check_proxy(proxy, transparent=args.transparent)
+        print(f"proxy:    {proxy} records into {health['options']['polar_dir']}")
     run_dir = args.out
     run_dir.mkdir(parents=True, exist_ok=True)
     save_tasks(tasks, run_dir / TASKS)

@@ -57,6 +57,7 @@ import tyro
 
 from eval.harnesses import Name
 from eval.rollout_results import copy_session_records, session_results
+from eval.services import ProxyNotRecording, check_proxy
 from eval.tasks import TaskError, load_tasks, save_tasks, validate
 
 __all__ = ["Args", "JobError", "Service", "main"]
@@ -414,7 +415,22 @@ def serve(args: Args) -> tuple[ThreadingHTTPServer, Service]:
     return ThreadingHTTPServer((args.host, args.port), handler), service
 
 
+def check_capture_proxy(args: Args) -> None:
+    """Refuse to serve through a proxy that would not record, or records somewhere other than --captures."""
+    health = check_proxy(args.proxy)
+    polar_dir = Path(health["options"]["polar_dir"])
+    if polar_dir != args.captures.resolve():
+        raise ProxyNotRecording(
+            f"--captures {args.captures} is not where the proxy records: its polar_dir is {polar_dir}", answered=True
+        )
+
+
 def main(args: Args) -> int:
+    try:
+        check_capture_proxy(args)
+    except ProxyNotRecording as e:
+        print(f"rollout service: error: {e}", file=sys.stderr)
+        return 2
     server, service = serve(args)
     host, port = server.server_address[:2]
     print(f"rollout service on http://{host}:{port} (jobs in {service.root})", flush=True)

@@ -2,20 +2,88 @@
 
 Used by the demo, rollouts, tests and benchmarks. Each service is a real subprocess on a free
 127.0.0.1 port, its output in a log file, stopped on ``stop()``/``with`` exit, also when startup fails.
+
+:func:`check_proxy` is the one place that decides whether a proxy records: it asks the addon's
+``GET /polar/health``. mitmproxy keeps forwarding when the addon failed to load (a repeated
+``--set polar_...`` option is enough), so a port that answers proves nothing; the rollout CLI, the
+rollout service and :class:`Mitmdump` (hence the demo) all refuse a proxy that does not answer it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 ADDON = ROOT / "addon" / "polar.py"
+HEALTH_PATH = "/polar/health"  # addon/polar.py answers it itself
+# Through a regular-mode (transparent) proxy the health request needs some plain-HTTP origin; the addon
+# answers the path before the host matters, so this name is never resolved.
+HEALTH_ORIGIN = "http://polar.invalid"
+
+
+class ProxyNotRecording(ConnectionError):  # an OSError: the CLIs print it as an error, not a traceback
+    """The proxy does not answer ``GET /polar/health`` as the capture addon, or says it cannot record.
+
+    ``answered``: something answered (the upstream through an addon-less proxy, or the addon itself
+    saying it cannot write); false when nothing did.
+    """
+
+    def __init__(self, message: str, *, answered: bool) -> None:
+        super().__init__(message)
+        self.answered = answered
+
+
+def check_proxy(url: str, *, transparent: bool = False, timeout: float = 10.0) -> dict[str, Any]:
+    """The addon's health answer from the proxy at ``url`` (without /v1); raises :class:`ProxyNotRecording`.
+
+    ``transparent``: ``url`` is a regular-mode proxy (``--transparent`` rollouts), asked as a proxy.
+    """
+    base = url.rstrip("/").removesuffix("/v1")
+    if transparent:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({"http": base}))
+        target = HEALTH_ORIGIN + HEALTH_PATH
+    else:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via the caller's proxy
+        target = base + HEALTH_PATH
+    hint = (
+        f"start it with `mitmdump ... -s {ADDON.relative_to(ROOT)}` and read its log: mitmproxy keeps forwarding "
+        "without the addon when the script fails to load (e.g. a --set polar_... option given twice)"
+    )
+    try:
+        with opener.open(target, timeout=timeout) as response:
+            status, raw = response.status, response.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    except OSError as e:
+        raise ProxyNotRecording(f"the capture proxy {base} does not answer GET {HEALTH_PATH} ({e}); {hint}", answered=False) from e
+    try:
+        health = json.loads(raw)
+    except ValueError:
+        health = None
+    if status != 200 or not isinstance(health, dict) or health.get("loaded") is not True:
+        got = raw[:200].decode("utf-8", "replace")
+        raise ProxyNotRecording(
+            f"{base} answers GET {HEALTH_PATH} with {status} {got!r}, not the capture addon's health: "
+            f"the addon is not loaded, so calls through it would not be recorded; {hint}",
+            answered=True,
+        )
+    if not health.get("writable"):
+        raise ProxyNotRecording(
+            f"the capture proxy {base} cannot write its records ({health.get('problem') or 'polar_dir is not writable'}"
+            f", polar_dir {health.get('options', {}).get('polar_dir')}): it would refuse every model call",
+            answered=True,
+        )
+    return health
 
 
 def free_port() -> int:
@@ -102,7 +170,16 @@ class ReferenceServer(Service):
 class Mitmdump(Service):
     """``mitmdump --mode reverse:UPSTREAM -s addon/polar.py`` on loopback; ``addon=False`` runs it bare."""
 
-    def __init__(self, upstream: str, polar_dir: Path | None, *, log: Path, addon: bool = True, **options: str) -> None:
+    def __init__(
+        self,
+        upstream: str,
+        polar_dir: Path | None,
+        *,
+        log: Path,
+        addon: bool = True,
+        startup_timeout: float = 120.0,
+        **options: str,
+    ) -> None:
         port = free_port()
         mitmdump = Path(sys.executable).parent / "mitmdump"
         cmd = [str(mitmdump), "--mode", f"reverse:{upstream}", "--listen-host", "127.0.0.1", "-p", str(port)]
@@ -110,4 +187,23 @@ class Mitmdump(Service):
         if addon:
             cmd += ["-s", str(ADDON), "--set", f"polar_dir={polar_dir}"]
             cmd += [arg for name, value in options.items() for arg in ("--set", f"{name}={value}")]
-        super().__init__(cmd, port=port, log=log)
+        super().__init__(cmd, port=port, log=log, startup_timeout=startup_timeout)
+        self.health: dict[str, Any] | None = None
+        if addon:
+            self.health = self._wait_until_recording(startup_timeout)
+
+    def _wait_until_recording(self, timeout: float) -> dict[str, Any]:
+        """Poll the addon's health: mitmdump may answer a moment before its script is loaded (or has failed
+        to load); an answer that is not the addon's, for 2 s on end, means it never will be."""
+        deadline, foreign_since = time.time() + timeout, None
+        while True:
+            try:
+                return check_proxy(self.url, timeout=5.0)
+            except ProxyNotRecording as e:
+                now = time.time()
+                foreign_since = (foreign_since or now) if e.answered else None
+                if self.proc.poll() is None and now < deadline and (foreign_since is None or now - foreign_since < 2.0):
+                    time.sleep(0.2)
+                    continue
+                self.stop()
+                raise ProxyNotRecording(f"{e}\nmitmdump's output:\n{self.output()}", answered=e.answered) from e

@@ -141,7 +141,8 @@ def test_crashing_hanging_idle_and_unstartable_harnesses_are_recorded_and_the_ru
     command = by_commit(failures, tasks, default="echo {instruction} > /dev/null")
     run = tmp_path / "run"
     nowhere = "http://127.0.0.1:9/v1"  # nothing listens: no model call is made
-    main(Args(tasks=str(task_file), harness="shell", command=command, proxy=nowhere, out=run, timeout=3, concurrency=2))
+    main(Args(tasks=str(task_file), harness="shell", command=command, proxy=nowhere, out=run, timeout=3, concurrency=2,
+              proxy_check=False))
 
     sessions = read_sessions(run)
     statuses = dict(zip(sessions["task_id"], sessions.select("status", "exit_code", "error").iter_rows()))

@@ -1,0 +1,274 @@
+"""Hostile input and faults, hook by hook (issue 16): a full disk, pathological JSON, secrets in odd places,
+the health answer, large bodies. The same faults against a real mitmdump are in test_faults_proxy.py."""
+
+import errno
+import json
+import logging
+import os
+import threading
+import time
+import tracemalloc
+
+import pytest
+from mitmproxy.test import tflow
+
+from addon import polar, writer
+from addon.record import Exchange
+from addon.session import resolve
+from tests.addon.test_polar import addon, make_chat_flow, read_records, run_exchange, set_response, tctx  # noqa: F401 - fixtures
+
+SALT = b"salt"
+
+
+class FullDisk:
+    """``os.write`` for the writer: writes ``allow`` more bytes, then fails with ENOSPC until ``free()``."""
+
+    def __init__(self, allow: int = 0) -> None:
+        self.allow = allow
+        self.full = True
+        self.real = os.write
+        self.failures = 0
+
+    def __call__(self, fd, data):
+        if not self.full:
+            return self.real(fd, data)
+        if self.allow > 0:
+            n = self.real(fd, bytes(data[: self.allow]))
+            self.allow -= n
+            return n
+        self.failures += 1
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def free(self):
+        self.full = False
+
+
+def wait_for(condition, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
+
+
+def lines_of(directory):
+    return b"".join(p.read_bytes() for p in sorted(directory.glob("*.jsonl")))
+
+
+# ---- item 1: a full disk ----------------------------------------------------------------------------
+
+
+def test_refused_calls_are_counted_not_queued_with_their_bodies(addon, tctx, tmp_path):
+    addon.writer.failure = "OSError: [Errno 28] No space left on device"
+    big = {"model": "m", "messages": [{"role": "user", "content": "x" * 1_000_000}]}
+    for _ in range(20):
+        flow = make_chat_flow(body=big)
+        addon.request(flow)
+        assert flow.response.status_code == 503 and "not recording" in json.loads(flow.response.content)["error"]["message"]
+        addon.response(flow)  # what mitmproxy calls next for an answer the addon gave
+    assert addon.writer.backlog_bytes == 0 and addon.refused == 20
+    addon.writer.failure = None
+    addon.done()
+    assert not (tmp_path / "captures").exists() or read_records(tmp_path / "captures") == []
+
+
+def test_a_backlog_over_its_bound_refuses_model_calls(addon, tctx):
+    tctx.configure(addon, polar_backlog_mb=1)
+    addon.writer._backlog = 2 << 20  # as if 2 MiB of records waited on a slow disk
+    flow = make_chat_flow()
+    addon.request(flow)
+    assert flow.response.status_code == 503 and "wait to be written" in json.loads(flow.response.content)["error"]["message"]
+    addon.writer._backlog = 0
+    flow = make_chat_flow()
+    addon.request(flow)
+    assert flow.response is None  # forwarded again
+
+
+def finish(addon, flow):
+    """The rest of an exchange whose request hook ran: a buffered JSON answer."""
+    set_response(flow)
+    addon.responseheaders(flow)
+    flow.response.raw_content = b"{}"
+    addon.response(flow)
+
+
+def test_a_write_torn_by_a_full_disk_is_cut_back_and_finished_when_space_returns(addon, tctx, tmp_path, monkeypatch):
+    run_exchange(addon, make_chat_flow(headers=((b"authorization", b"Bearer before"),)), [b"{}"])
+    wait_for(lambda: addon.writer.records_written == 1)
+    in_flight = [make_chat_flow(headers=((b"authorization", f"Bearer during-{i}".encode()),)) for i in range(5)]
+    for flow in in_flight:
+        addon.request(flow)  # admitted before the disk filled
+    disk = FullDisk(allow=300)  # the next write stops 300 bytes into a record
+    monkeypatch.setattr(writer.os, "write", disk)
+    for flow in in_flight:
+        finish(addon, flow)  # answered 200 to the client: these records must not be lost
+    wait_for(lambda: disk.failures >= 2)
+    assert addon.writer.failure and "No space left" in addon.writer.failure
+    on_disk = lines_of(tmp_path / "captures")
+    assert on_disk.endswith(b"\n") and len(on_disk.split(b"\n")) == 2  # the first record only; no torn tail
+    flow = make_chat_flow()
+    addon.request(flow)
+    assert flow.response.status_code == 503  # refused while the disk is full
+    disk.free()
+    wait_for(lambda: addon.writer.records_written == 6)
+    assert addon.writer.failure is None and addon.writer.backlog_bytes == 0
+    flow = make_chat_flow()
+    addon.request(flow)
+    assert flow.response is None  # recording works again: calls go through
+    records = read_records(tmp_path / "captures")
+    assert sorted(r["session_id"] for r in records) == ["before", *(f"during-{i}" for i in range(5))]
+
+
+def test_shutdown_on_a_full_disk_is_bounded_and_names_every_record_it_lost(addon, tctx, tmp_path, monkeypatch, caplog):
+    disk = FullDisk(allow=100)
+    monkeypatch.setattr(writer.os, "write", disk)
+    monkeypatch.setattr(writer, "CLOSE_SECONDS", 1.0)
+    flows = [make_chat_flow(headers=((b"authorization", f"Bearer lost-{i}".encode()),)) for i in range(3)]
+    for flow in flows:
+        addon.request(flow)
+    for flow in flows:
+        finish(addon, flow)
+    wait_for(lambda: disk.failures >= 1)
+    ids = {flow.metadata[polar.METADATA_KEY].id for flow in flows}
+    w = addon.writer
+    closing = threading.Thread(target=addon.done)
+    with caplog.at_level(logging.ERROR):
+        closing.start()
+        closing.join(60)
+    assert not closing.is_alive()
+    assert len(w.unwritten) == 3 and {u.split()[1] for u in w.unwritten} == ids
+    for i, record_id in enumerate(sorted(ids)):
+        assert f"NOT WRITTEN: record {record_id}" in caplog.text
+    assert "3 records were NOT written" in caplog.text
+    assert lines_of(tmp_path / "captures") == b""  # the 100 bytes that got out were cut off again
+
+
+def test_an_exchange_handed_over_at_shutdown_is_still_written(addon, tctx, tmp_path):
+    ex = Exchange(session_id="late", session_source="header", api="chat", upstream="vllm", method="POST",
+                  path="/v1/chat/completions", t_start=time.time(), request_headers={})  # fmt: skip
+    addon._handing_over[ex.id] = ex  # the response hook ran; the loop step that hands it over did not
+    addon.done()
+    assert [r["session_id"] for r in read_records(tmp_path / "captures")] == ["late"]
+
+
+# ---- item 2: the health answer -----------------------------------------------------------------------
+
+
+def test_health_answers_loaded_options_and_whether_it_records(addon, tctx, tmp_path):
+    run_exchange(addon, make_chat_flow(), [b"{}"])
+    wait_for(lambda: addon.writer.records_written == 1)
+    flow = make_chat_flow(path="/polar/health")
+    flow.request.method = "GET"
+    addon.request(flow)
+    health = json.loads(flow.response.content)
+    assert flow.response.status_code == 200 and polar.METADATA_KEY not in flow.metadata  # answered, unrecorded
+    assert health["loaded"] is True and health["writable"] is True and health["records_written"] == 1
+    assert health["options"]["polar_dir"] == str((tmp_path / "captures").resolve())
+    assert health["options"]["polar_upstream"] == "vllm" and "polar_upstream_key" not in health["options"]
+    addon.writer.failure = "OSError: disk full"
+    flow = make_chat_flow(path="/polar/health")
+    flow.request.method = "GET"
+    addon.request(flow)
+    assert json.loads(flow.response.content)["writable"] is False
+    addon.writer.failure = None
+
+
+# ---- item 6: pathological nesting --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path,shape",
+    [("/v1/chat/completions", "error"), ("/v1/messages", "type"), ("/v1/responses", "error"),
+     ("/v1beta/models/m:generateContent", "error")],
+)  # fmt: skip
+def test_json_nested_too_deep_is_answered_400_and_recorded(addon, tctx, tmp_path, path, shape):
+    deep = b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    flow = make_chat_flow(raw=deep, path=path, headers=((b"authorization", b"Bearer deep"),))
+    addon.request(flow)
+    assert flow.response is not None and flow.response.status_code == 400  # answered here, never forwarded
+    assert shape in json.loads(flow.response.content) and "nested too deeply" in flow.response.text
+    addon.response(flow)
+    addon.done()
+    (rec,) = read_records(tmp_path / "captures")
+    assert rec["session_id"] == "deep" and rec["status"] == 400 and rec["error"]["kind"] == "request"
+    assert rec["request_raw"]["text"].encode() == deep and rec["complete"] is False
+
+
+def test_a_request_hook_failure_answers_the_model_call_instead_of_forwarding_it(addon, tctx, tmp_path, monkeypatch):
+    monkeypatch.setattr(polar.translating, "translate_request", lambda *a: (_ for _ in ()).throw(RecursionError("deep")))
+    flow = make_chat_flow(path="/v1/messages", body={"model": "m", "max_tokens": 5, "messages": []})
+    addon.request(flow)
+    assert flow.response.status_code == 400 and json.loads(flow.response.content)["type"] == "error"
+    assert flow.request.path == "/v1/messages"  # not translated, and not sent anywhere
+    monkeypatch.setattr(polar.session, "resolve", lambda *a: 1 / 0)  # before any record exists
+    flow2 = make_chat_flow()
+    addon.request(flow2)
+    assert flow2.response.status_code == 500
+    for f in (flow, flow2):
+        addon.response(f)
+    addon.done()
+    kinds = sorted(r["error"]["kind"] for r in read_records(tmp_path / "captures"))
+    assert kinds == ["addon", "request"]
+
+
+# ---- item 8: large bodies ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", ["one long message", "many messages"])
+def test_a_large_request_body_costs_one_copy_after_the_request_hook(addon, tctx, shape):
+    n = 8 << 20
+    messages = [{"role": "user", "content": "x" * n}] if shape == "one long message" else [{"role": "user", "content": "x" * 200}] * (n // 230)
+    flow = make_chat_flow(body={"model": "m", "messages": messages})
+    size = len(flow.request.content)
+    del messages
+    tracemalloc.start()
+    try:
+        addon.request(flow)
+        retained, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # What stays allocated while the call is in flight: the body sent upstream (the client's, with the token
+    # fields spliced in). The record shares the client's bytes; no parsed copy is kept.
+    assert retained < 1.1 * size
+    assert flow.metadata[polar.METADATA_KEY].request.value is None
+
+
+# ---- item 9: secrets -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "headers,path",
+    [
+        ({}, "/v1beta/models/m:generateContent?KEY=sk-live-SECRET1"),
+        ({}, "/v1/chat/completions?api_key=sk-live-SECRET1&x=1"),
+        ({}, "/v1/chat/completions?Api-Key=sk-ant-SECRET1"),
+        ({}, "/v1/chat/completions?access_token=ya29.SECRET1%2B%2F&token=ya29.SECRET1%2B%2F"),
+        ({"x-polar-session": "sk-live-SECRET1"}, "/v1/chat/completions"),
+        ({}, "/s/sk-proj-SECRET1/v1/chat/completions"),
+    ],
+)
+def test_secrets_in_query_strings_and_session_ids_are_hashed(headers, path):
+    s = resolve(headers, path, SALT)
+    assert "SECRET1" not in s.path and "SECRET1" not in s.id and s.source == "key_hash" and s.id.startswith("key-")
+
+
+def test_secret_session_ids_and_query_keys_never_reach_disk(addon, tctx, tmp_path):
+    secret = "sk-proj-NEVERONDISK"
+    cases = [
+        ((), f"/v1/chat/completions?API_KEY={secret}"),
+        ((), f"/v1/chat/completions?apikey={secret}&stream=1"),
+        ((), f"/v1beta/models/m:generateContent?Key={secret}"),
+        ((), f"/v1/whatever?access_token={secret}"),
+        (((b"x-polar-session", secret.encode()),), "/v1/chat/completions"),
+        (((b"x-polar-session", f"{secret}==".encode()),), "/v1/chat/completions"),  # not even a session id
+        ((), f"/s/{secret}/v1/chat/completions"),
+    ]
+    for headers, path in cases:
+        flow = make_chat_flow(headers=headers, path=path)
+        run_exchange(addon, flow, [b"{}"])
+        assert secret not in flow.request.path and secret not in flow.request.headers.get("x-polar-session", "")
+    addon.done()
+    records = read_records(tmp_path / "captures")
+    assert len(records) == len(cases)
+    assert {r["session_source"] for r in records[:5] + records[6:]} == {"key_hash"}
+    for f in (tmp_path / "captures").iterdir():
+        assert secret.encode() not in f.read_bytes(), f
