@@ -50,11 +50,28 @@ _PROMPT = re.compile(
 )
 _COMPLETION = re.compile(r"(\d+) in the completion|is too large: (\d+)|(\d+) tokens for the completion")
 
+# The fields the translation reads, by kind (native.mismatch): anything else of the wrong kind is a 400 naming it.
+_SOURCE = {"type": str, "media_type": str, "data": str, "url": str}
+_PART = {"type": str, "text": str, "source": _SOURCE}  # text, image and document blocks
+_BLOCK = {**_PART, "id": str, "name": str, "input": dict, "thinking": str, "signature": str, "data": str,
+          "tool_use_id": str, "is_error": bool, "content": native.OneOf(str, [_PART])}  # fmt: skip
+REQUEST = {
+    "model": str, "stream": bool, "max_tokens": native.INTEGER, "temperature": native.NUMBER, "top_p": native.NUMBER,
+    "top_k": native.INTEGER, "stop_sequences": [str], "system": native.OneOf(str, [{"type": str, "text": str}]),
+    "messages": [{"role": str, "content": native.OneOf(str, [_BLOCK])}],
+    "tools": [{"type": str, "name": str, "description": str, "input_schema": dict}],
+    "tool_choice": {"type": str, "name": str, "disable_parallel_tool_use": bool},
+    "thinking": {"type": str, "budget_tokens": native.INTEGER}, "chat_template_kwargs": dict,
+}  # fmt: skip
+
 
 def start(
     body: dict[str, Any], path: str, headers: dict[str, str], options: native.Options
 ) -> MessagesTranslation | native.LocalAnswer:
     route = path.partition("?")[0].rstrip("/")
+    if found := native.mismatch(body, REQUEST):
+        where = ".".join(map(str, found.path)) or "body"
+        raise native.BadRequest(f"{where}: expected {found.expected}, got {found.got}", param=where)
     if route.endswith("/messages/count_tokens"):
         return native.LocalAnswer(200, {"input_tokens": estimate_tokens(chat_request(body, options))})
     if not route.endswith("/messages"):
@@ -123,7 +140,7 @@ def _instructions(system: Any) -> list[str]:
     if isinstance(system, str):
         texts = [system]
     else:
-        texts = [b.get("text", "") for b in system or [] if isinstance(b, dict) and b.get("type") == "text"]
+        texts = [b.get("text") or "" for b in system or [] if isinstance(b, dict) and b.get("type") == "text"]
     if texts and texts[0].startswith(BILLING_PREFIX):
         texts[0] = texts[0].partition("\n")[2]
     return texts
@@ -148,7 +165,7 @@ def _assistant(blocks: list[dict[str, Any]], i: int, reasoning_field: str) -> di
     for block in blocks:
         kind = block.get("type")
         if kind == "text":
-            text.append(block.get("text", ""))
+            text.append(block.get("text") or "")
         elif kind in ("thinking", "redacted_thinking"):
             decoded = native.read_reasoning(block.get("signature" if kind == "thinking" else "data"))
             reasoning += [decoded] if decoded is not None else []
@@ -196,12 +213,12 @@ def _part(block: dict[str, Any], i: int) -> dict[str, Any]:
     """A user content block as a Chat Completions content part."""
     kind, source = block.get("type"), block.get("source") or {}
     if kind == "text":
-        return {"type": "text", "text": block.get("text", "")}
+        return {"type": "text", "text": block.get("text") or ""}
     if kind == "image" and source.get("type") in ("base64", "url"):
         url = source.get("url") or f"data:{source.get('media_type')};base64,{source.get('data')}"
         return {"type": "image_url", "image_url": {"url": url}}
     if kind == "document" and source.get("type") == "text":
-        return {"type": "text", "text": source.get("data", "")}
+        return {"type": "text", "text": source.get("data") or ""}
     what = f"{kind} blocks with a {source.get('type')} source" if source else f"{kind!r} blocks"
     raise native.BadRequest(f"messages.{i}.content: polar cannot translate {what}")
 

@@ -48,9 +48,29 @@ GENERATION = {  # generationConfig field -> Chat Completions field
 _URLSAFE = str.maketrans("-_", "+/")
 _SNAKE = re.compile(r"_([a-z])")
 
+# The fields the translation reads, by kind (native.mismatch, on camelCase names): anything else of the wrong kind
+# is a 400 naming it.
+_PART = {"text": str, "thought": bool, "thoughtSignature": str, "functionCall": {"name": str, "id": str, "args": dict},
+         "functionResponse": {"name": str, "id": str, "response": dict}, "inlineData": {"mimeType": str, "data": str}}  # fmt: skip
+_CONTENT = {"role": str, "parts": [_PART]}
+REQUEST = {
+    "contents": [_CONTENT], "systemInstruction": native.OneOf(str, _CONTENT), "cachedContent": str,
+    "tools": [{"functionDeclarations": [{"name": str, "description": str, "parameters": dict, "parametersJsonSchema": dict}]}],
+    "toolConfig": {"functionCallingConfig": {"mode": str, "allowedFunctionNames": [str]}},
+    "generationConfig": {
+        "maxOutputTokens": native.INTEGER, "temperature": native.NUMBER, "topP": native.NUMBER, "topK": native.NUMBER,
+        "stopSequences": [str], "seed": native.INTEGER, "presencePenalty": native.NUMBER,
+        "frequencyPenalty": native.NUMBER, "candidateCount": native.INTEGER, "responseMimeType": str,
+        "responseSchema": dict, "thinkingConfig": {"includeThoughts": bool, "thinkingBudget": native.INTEGER},
+    },
+}  # fmt: skip
+
 
 def start(body: dict[str, Any], path: str, headers: dict[str, str], options: native.Options) -> Translation:
     model, stream = _parse_path(path)
+    if found := native.mismatch(body, REQUEST, _fields):
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in found.path).lstrip(".") or "body"
+        raise native.BadRequest(f"Invalid value at '{where}': expected {found.expected}, got {found.got}", param=where)
     body = _fields(body)
     if body.get("cachedContent"):
         raise native.BadRequest("cachedContent is not supported: send the contents themselves")
@@ -117,27 +137,27 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(contents, list) or not contents:
         raise native.BadRequest("contents must be a non-empty array")
     system = body.get("systemInstruction")
-    instructions = [system if isinstance(system, str) else _texts(_parts(system))] if system else []
+    instructions = [system if isinstance(system, str) else _texts(_parts(system, "systemInstruction"))] if system else []
     messages: list[dict[str, Any]] = []
     pending: list[tuple[str, str]] = []  # (id, name) of the last model turn's calls no response answered yet
     for i, content in enumerate(contents):
         role = (content.get("role") or "user") if isinstance(content, dict) else None
         if role == "model":
-            message, pending = _model_message(_parts(content), i)
+            message, pending = _model_message(_parts(content, f"contents[{i}]"), i)
             messages.append(message)
         elif role in ("user", "function"):  # "function": the v1beta role of old for functionResponse turns
-            messages += _user_messages(_parts(content), pending, i)
+            messages += _user_messages(_parts(content, f"contents[{i}]"), pending, i)
         elif role == "system":
-            messages.append({"role": "system", "content": _texts(_parts(content))})
+            messages.append({"role": "system", "content": _texts(_parts(content, f"contents[{i}]"))})
         else:
             raise native.BadRequest(f"contents[{i}] must be an object with role user or model, not {role!r}")
     return native.merge_system(messages, instructions)
 
 
-def _parts(content: Any) -> list[dict[str, Any]]:
-    parts = content.get("parts") if isinstance(content, dict) else None
+def _parts(content: Any, where: str) -> list[dict[str, Any]]:
+    parts = _fields(content).get("parts")
     if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
-        raise native.BadRequest("each content needs parts: an array of objects")
+        raise native.BadRequest(f"{where}.parts: each content needs parts, an array of objects", param=f"{where}.parts")
     return [_fields(p) for p in parts]
 
 
@@ -207,10 +227,11 @@ def _user_messages(parts: list[dict[str, Any]], pending: list[tuple[str, str]], 
 def _tools(tools: Any) -> list[dict[str, Any]]:
     """Function declarations as Chat function tools; search, code execution & co. have no schema and are dropped."""
     out = []
-    for tool in tools if isinstance(tools, list) else []:
-        for decl in map(_fields, _fields(tool).get("functionDeclarations") or []):
+    for i, tool in enumerate(tools if isinstance(tools, list) else []):
+        for j, decl in enumerate(map(_fields, _fields(tool).get("functionDeclarations") or [])):
             if not isinstance(decl.get("name"), str):
-                raise native.BadRequest("each functionDeclaration needs a name")
+                where = f"tools[{i}].functionDeclarations[{j}].name"
+                raise native.BadRequest(f"{where}: each functionDeclaration needs a name", param=where)
             function = {k: decl[k] for k in ("name", "description") if decl.get(k) is not None}
             if decl.get("parametersJsonSchema") is not None:
                 function["parameters"] = decl["parametersJsonSchema"]
@@ -237,12 +258,17 @@ def _schema(schema: Any) -> Any:
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key == "type":
-            out[key] = value.lower() if isinstance(value, str) else [str(v).lower() for v in value]
+            # Anything but a type name or a list of them is passed on as it is, for the upstream to judge.
+            out[key] = value.lower() if isinstance(value, str) else [_lower(v) for v in value] if isinstance(value, list) else value
         elif key in SCHEMA_MAPS and isinstance(value, dict):
             out[key] = {name: _schema(s) for name, s in value.items()}
         else:
             out[key] = value if key in SCHEMA_DATA else _schema(value)
     return out
+
+
+def _lower(value: Any) -> Any:
+    return value.lower() if isinstance(value, str) else value
 
 
 def _generation(config: dict[str, Any], thinking: dict[str, Any], chat: dict[str, Any]) -> None:

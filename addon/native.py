@@ -6,7 +6,9 @@ log-probs on every streamed chunk (vLLM, SGLang). Each translator module exposes
 
     start(body: dict, path: str, headers: dict[str, str], options: Options) -> Translation | LocalAnswer
 
-raising :class:`BadRequest` for a body it cannot translate. A :class:`Translation` carries the
+raising :class:`BadRequest` for a body it cannot translate: each module declares the types of the fields it
+reads (a spec for :func:`mismatch`), so a malformed body is a 400 naming the field, never a crash
+(issue 16; tests/addon/test_fuzz_native.py mutates real bodies to hold it). A :class:`Translation` carries the
 Chat Completions body to send upstream (without token fields: the addon adds those as for any chat
 call) and turns the upstream's answer back into the harness's format, chunk by chunk as it
 streams. Translators are pure: no I/O, no mitmproxy; the addon does the plumbing.
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,7 +32,95 @@ class Options:
 
 
 class BadRequest(ValueError):
-    """A native request the translator cannot map; the client gets a 400 in its API's error shape."""
+    """A native request the translator cannot map; the client gets a 400 in its API's error shape.
+
+    ``param`` names the offending field where one is known (OpenAI's error bodies carry it).
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# --- the types of the fields a translator reads -----------------------------------------------------------
+#
+# A spec is a JSON kind (str, bool, dict, list, NUMBER, INTEGER), an object {field: spec} (fields absent or null
+# pass: translators treat null as absent; fields not named are not looked at), an array [item spec], or
+# OneOf(spec, ...) for a field of several kinds (Anthropic's "system": a string or an array of blocks).
+
+NUMBER = "number"  # int or float, not bool
+INTEGER = "integer"  # int, not bool
+
+
+@dataclass(frozen=True)
+class OneOf:
+    options: tuple[Any, ...]
+
+    def __init__(self, *options: Any) -> None:
+        object.__setattr__(self, "options", options)
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    path: tuple[str | int, ...]  # from the body's top: field names and array indices
+    expected: str  # "a string or an array"
+    got: str  # "a number"
+
+
+_KINDS = {str: "a string", bool: "a boolean", dict: "an object", list: "an array", NUMBER: "a number", INTEGER: "an integer"}
+
+
+def mismatch(value: Any, spec: Any, names: Callable[[Any], Any] = lambda v: v) -> Mismatch | None:
+    """The first place where ``value`` does not have the kind ``spec`` says, or None. ``names`` rewrites each
+    object before its fields are looked up (Google takes snake_case for camelCase)."""
+    return _mismatch(value, spec, (), names)
+
+
+def _mismatch(value: Any, spec: Any, path: tuple[str | int, ...], names: Callable[[Any], Any]) -> Mismatch | None:
+    if isinstance(spec, OneOf):
+        for option in spec.options:
+            if _is(value, option):
+                return _mismatch(value, option, path, names)
+        return Mismatch(path, " or ".join(_describe(o) for o in spec.options), json_kind(value))
+    if not _is(value, spec):
+        return Mismatch(path, _describe(spec), json_kind(value))
+    if isinstance(spec, dict):
+        fields = names(value)
+        for name, field_spec in spec.items():
+            if fields.get(name) is not None and (found := _mismatch(fields[name], field_spec, (*path, name), names)):
+                return found
+    elif isinstance(spec, list):
+        for i, item in enumerate(value):
+            if found := _mismatch(item, spec[0], (*path, i), names):
+                return found
+    return None
+
+
+def _is(value: Any, spec: Any) -> bool:
+    kind = dict if isinstance(spec, dict) else list if isinstance(spec, list) else spec
+    if kind in (NUMBER, INTEGER):
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        return number and (kind == NUMBER or isinstance(value, int))
+    return isinstance(value, kind)
+
+
+def _describe(spec: Any) -> str:
+    if isinstance(spec, list) and isinstance(spec[0], dict):
+        return "an array of objects"
+    if isinstance(spec, list) and spec[0] is str:
+        return "an array of strings"
+    return _KINDS[dict if isinstance(spec, dict) else list if isinstance(spec, list) else spec]
+
+
+def json_kind(value: Any) -> str:
+    """What a JSON value is, in words: "a number", "null", ..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return _KINDS.get(type(value), type(value).__name__)
 
 
 @dataclass
@@ -144,5 +234,5 @@ def text_of(parts: Any) -> str:
     if isinstance(parts, str):
         return parts
     if isinstance(parts, list):
-        return "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+        return "".join(p.get("text") or "" for p in parts if isinstance(p, dict))
     return ""

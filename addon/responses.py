@@ -43,6 +43,21 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text")
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
 LOCAL_SHELL = "local_shell"  # the chat tool name a local_shell_call is rendered under
+
+# The fields the translation reads, by kind (native.mismatch): anything else of the wrong kind is a 400 naming it.
+_PART = {"type": str, "text": str, "refusal": str, "image_url": str, "detail": str}
+_CONTENT = native.OneOf(str, [_PART])
+_ITEM = {"type": str, "role": str, "content": _CONTENT, "output": _CONTENT, "encrypted_content": str, "id": str,
+         "call_id": str, "name": str, "arguments": str, "action": dict}  # fmt: skip
+REQUEST = {
+    "model": str, "instructions": str, "input": native.OneOf(str, [_ITEM]), "stream": bool, "store": bool,
+    "tools": [{"type": str, "name": str, "description": str, "parameters": dict}],
+    "tool_choice": native.OneOf(str, {"type": str, "name": str}), "parallel_tool_calls": bool,
+    "max_output_tokens": native.INTEGER, "temperature": native.NUMBER, "top_p": native.NUMBER,
+    "text": {"format": {"type": str, "name": str, "schema": dict, "strict": bool, "description": str}},
+    "reasoning": {"effort": str, "summary": str}, "include": [str], "metadata": dict, "truncation": str,
+    "chat_template_kwargs": dict, "previous_response_id": str, "background": bool,
+}  # fmt: skip
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
 
 
@@ -68,6 +83,9 @@ def start(body: dict[str, Any], path: str, headers: dict[str, str], options: nat
     if not path.partition("?")[0].rstrip("/").endswith("/responses"):
         # Detected by body shape alone ("input"): /embeddings and /moderations bodies have one too.
         raise native.BadRequest(f"POST {path.partition('?')[0]} is not a Responses call; only /responses is translated")
+    if found := native.mismatch(body, REQUEST):
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in found.path).lstrip(".") or "body"
+        raise native.BadRequest(f"Invalid type for '{where}': expected {found.expected}, but got {found.got} instead.", param=where)
     for name in _STATEFUL:
         if body.get(name):
             raise native.BadRequest(
@@ -77,12 +95,13 @@ def start(body: dict[str, Any], path: str, headers: dict[str, str], options: nat
     return Translation(body, options)
 
 
-def error_body(status: int, message: str) -> dict[str, Any]:
-    """OpenAI's error shape; a context overflow gets the code that makes Codex compact its history."""
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape (``param``: the offending field); a context overflow gets the code that makes Codex
+    compact its history."""
     if status == 400 and _CONTEXT_OVERFLOW.search(message):
         return {"error": {"message": message, "type": "invalid_request_error", "param": "input", "code": "context_length_exceeded"}}
     kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
 class Translation:
@@ -162,9 +181,9 @@ def _messages(items: Any) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     reasoning: str | None = None  # decoded from reasoning items, for the next assistant message
     joinable = False  # the last message is an assistant turn that a following tool call belongs to
-    for item in items:
+    for i, item in enumerate(items):
         if not isinstance(item, dict):
-            raise native.BadRequest("each 'input' item must be an object")
+            raise native.BadRequest(f"input[{i}]: each 'input' item must be an object", param=f"input[{i}]")
         kind = item.get("type") or "message"  # an easy input message has no type
         if kind == "reasoning":
             text = _reasoning_text(item)
@@ -178,18 +197,18 @@ def _messages(items: Any) -> list[dict[str, Any]]:
             joinable = True
         elif kind in ("function_call_output", "local_shell_call_output"):
             call_id = item.get("call_id") or item.get("id")
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": _content(item.get("output"))})
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": _content(item.get("output"), f"input[{i}].output")})
             joinable = False
         elif kind == "message" and item.get("role") == "assistant":
             messages.append(_assistant(native.text_of(item.get("content")), reasoning))
             reasoning, joinable = None, True
         elif kind == "message" and item.get("role") in ("user", "system", "developer"):
-            messages.append({"role": item["role"], "content": _content(item.get("content"))})
+            messages.append({"role": item["role"], "content": _content(item.get("content"), f"input[{i}].content")})
             joinable = False
         elif kind == "item_reference":
-            raise native.BadRequest("'item_reference' needs items stored by the server, and this proxy keeps none")
+            raise native.BadRequest(f"input[{i}]: 'item_reference' needs items stored by the server, and this proxy keeps none", param=f"input[{i}]")
         else:
-            raise native.BadRequest(f"input items of type {kind!r} (role {item.get('role')!r}) cannot be translated")
+            raise native.BadRequest(f"input[{i}]: items of type {kind!r} (role {item.get('role')!r}) cannot be translated", param=f"input[{i}]")
     return messages
 
 
@@ -218,21 +237,21 @@ def _tool_call(item: dict[str, Any]) -> dict[str, Any]:
     return {"id": item.get("call_id"), "type": "function", "function": {"name": name, "arguments": arguments or "{}"}}
 
 
-def _content(content: Any) -> Any:
+def _content(content: Any, where: str) -> Any:
     """Chat content for Responses content: a string, or parts (text only: one string, as templates expect)."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
-        raise native.BadRequest("message content must be a string or an array of parts")
+        raise native.BadRequest(f"{where}: must be a string or an array of parts", param=where)
     parts = []
-    for part in content:
+    for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in _TEXT_PARTS:
             parts.append({"type": "text", "text": part.get("text") or part.get("refusal") or ""})
         elif kind == "input_image" and part.get("image_url"):
             parts.append({"type": "image_url", "image_url": {"url": part["image_url"], "detail": part.get("detail") or "auto"}})
         else:
-            raise native.BadRequest(f"content parts of type {kind!r} cannot be translated")
+            raise native.BadRequest(f"{where}[{j}]: content parts of type {kind!r} cannot be translated", param=f"{where}[{j}]")
     if all(p["type"] == "text" for p in parts):
         return "".join(p["text"] for p in parts)
     return parts

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import time
+import traceback
+from pathlib import Path
 from typing import Any
 
 from mitmproxy import http
@@ -64,14 +66,18 @@ def translate_request(
             raise native.BadRequest("the request body is not a JSON object")
         started = module.start(ex.request.value, ex.path, headers, options)
     except native.BadRequest as e:
-        flow.response = json_response(400, module.error_body(400, str(e)))
+        body = responses.error_body(400, str(e), e.param) if module is responses else module.error_body(400, str(e))
+        flow.response = json_response(400, body)
         ex.error = {"kind": "translate", "message": str(e)}
         return
-    except Exception as e:  # a translator bug: never forward the native call untranslated
-        log.exception("polar: translating a %s request failed", ex.api)
-        message = f"polar could not translate this request: {type(e).__name__}: {e}"
-        flow.response = json_response(500, module.error_body(500, message))
-        ex.error = {"kind": "translate", "message": message}
+    except Exception as e:  # a body the field checks let through, and the translator choked on: never forwarded
+        # The client gets its API's 400 without Python in it; the log and the record say what broke, in one line.
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        where = f"{Path(frame.filename).name}:{frame.lineno}"
+        log.error("polar: the %s translator failed on a request body (%s: %s at %s); answered 400", ex.api, type(e).__name__, e, where)
+        message = f"polar could not translate this request body: it does not have the shape the {ex.api} API documents"
+        flow.response = json_response(400, module.error_body(400, message))
+        ex.error = {"kind": "translate", "message": f"{type(e).__name__}: {e} (at {where})"}
         return
     if isinstance(started, native.LocalAnswer):
         flow.response = json_response(started.status, started.body)
