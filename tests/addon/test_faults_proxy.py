@@ -1,0 +1,223 @@
+"""Faults against a real mitmdump (issue 16): an addon that did not load, a disk that fills under 8 clients
+and a shutdown while it is full, pathological JSON and secrets over the wire. Hook-level cases: test_faults.py.
+
+The full disk is the file-size limit (``RLIMIT_FSIZE``) of the running mitmdump, set with ``prlimit`` to
+the capture file's size: writes past it fail with EFBIG (a short write first) exactly as ENOSPC would, and
+raising it again is space returning, without root or a filesystem of our own.
+"""
+
+import json
+import sys
+import re
+import resource
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from eval import rollout, rollout_service
+from eval.services import Mitmdump, ProxyNotRecording, Service, check_proxy, free_port
+from tests.bench.upstream import make_server
+
+pytestmark = pytest.mark.slow
+
+DEADLINE_S = 120.0  # generous: the machine may be busy; the tests poll, they never assert a duration
+
+
+def wait_for(condition, what, timeout=DEADLINE_S):
+    deadline = time.monotonic() + timeout
+    while not (result := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return result
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    server = make_server()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def records(directory):
+    """Parsed records and the number of lines that do not parse (torn)."""
+    parsed, torn = [], 0
+    for path in sorted(directory.glob("*.jsonl")):
+        for line in path.read_bytes().split(b"\n"):
+            if line:
+                try:
+                    parsed.append(json.loads(line))
+                except ValueError:
+                    torn += 1
+    return parsed, torn
+
+
+def call(url, session, *, content=b"x" * 200, path="/v1/chat/completions"):
+    body = {"model": "m", "messages": [{"role": "user", "content": content.decode()}]}
+    return httpx.post(f"{url}{path}", json=body, headers={"authorization": f"Bearer {session}"}, timeout=60)
+
+
+# ---- item 2: an addon that did not load ----------------------------------------------------------------
+
+
+def test_a_proxy_whose_addon_did_not_load_is_refused_by_every_client(upstream, tmp_path):
+    # mitmproxy refuses the script over the repeated option ("Received multiple values") and forwards anyway.
+    port = free_port()
+    cmd = [str(Path(sys.executable).parent / "mitmdump"), "--mode", f"reverse:{upstream}",
+           "--listen-host", "127.0.0.1", "-p", str(port), "-s", "addon/polar.py",
+           "--set", f"polar_dir={tmp_path / 'a'}", "--set", f"polar_dir={tmp_path / 'b'}"]  # fmt: skip
+    with Service(cmd, port=port, log=tmp_path / "mitmdump.log") as proxy:
+        time.sleep(2.0)  # mitmproxy reports the script error just after it starts listening
+        assert call(proxy.url, "sess-unrecorded").status_code == 200  # the hazard: forwarded, recorded nowhere
+        assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+        with pytest.raises(ProxyNotRecording, match="not loaded") as raised:
+            check_proxy(proxy.url)
+        assert raised.value.answered
+        args = rollout.Args(tasks="toy", harness="shell", command="true {instruction}", proxy=proxy.url, out=tmp_path / "run")
+        with pytest.raises(ProxyNotRecording, match="GET /polar/health"):
+            rollout.main(args)
+        assert not (tmp_path / "run" / "sessions.parquet").exists()
+        service_args = rollout_service.Args(proxy=proxy.url, captures=tmp_path / "a", root=tmp_path / "service")
+        assert rollout_service.main(service_args) == 2
+    with pytest.raises(ProxyNotRecording, match="does not answer"):
+        check_proxy(f"http://127.0.0.1:{free_port()}", timeout=2)
+
+
+def test_a_recording_proxy_answers_its_health(upstream, tmp_path):
+    with Mitmdump(upstream, tmp_path / "captures", log=tmp_path / "mitmdump.log") as mitm:
+        assert mitm.health["loaded"] and mitm.health["writable"]
+        call(mitm.url, "sess-health")
+        health = wait_for(lambda: (h := check_proxy(mitm.url))["records_written"] == 1 and h, "the record")
+        assert health["options"]["polar_dir"] == str((tmp_path / "captures").resolve())
+        with pytest.raises(ProxyNotRecording, match="not where the proxy records"):
+            rollout_service.check_capture_proxy(rollout_service.Args(proxy=mitm.url, captures=tmp_path / "elsewhere"))
+
+
+# ---- item 1: a full disk under 8 clients ---------------------------------------------------------------
+
+
+class Clients:
+    """``n`` threads calling the proxy until stopped; every answer kept as (session, status, time)."""
+
+    def __init__(self, url, n, prefix):
+        self.url, self.prefix, self.answers, self.stop = url, prefix, [], threading.Event()
+        self.pool = ThreadPoolExecutor(n)
+        self.futures = [self.pool.submit(self._run, i) for i in range(n)]
+
+    def _run(self, i):
+        with httpx.Client(timeout=60) as client:
+            n = 0
+            while not self.stop.is_set():
+                session = f"{self.prefix}{i}-{n}"
+                n += 1
+                body = {"model": "m", "messages": [{"role": "user", "content": "y" * 20_000}]}
+                try:
+                    status = client.post(f"{self.url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {session}"}).status_code
+                except httpx.HTTPError:
+                    status = None
+                self.answers.append((session, status, time.monotonic()))
+
+    def close(self):
+        self.stop.set()
+        for f in self.futures:
+            f.result()
+        self.pool.shutdown()
+
+
+def health(url):
+    """The addon's health answer as it is (check_proxy raises on one that says it cannot write)."""
+    return httpx.get(f"{url}/polar/health", timeout=30).json()
+
+
+def fill_disk(pid, path):
+    """Writes past the capture file's current size now fail, as on a full disk."""
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (path.stat().st_size, resource.RLIM_INFINITY))
+
+
+def free_disk(pid):
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+
+
+def test_a_full_disk_under_8_clients_recovers_and_shutdown_while_full_names_what_it_lost(upstream, tmp_path):
+    captures = tmp_path / "captures"
+    mitm = Mitmdump(upstream, captures, log=tmp_path / "mitmdump.log")
+    try:
+        for i in range(20):  # a capture file larger than mitmdump's log: the limit must stop only records
+            assert call(mitm.url, f"warm-{i}", content=b"w" * 50_000).status_code == 200
+        capture = Path(wait_for(lambda: health(mitm.url)["capture_file"], "the capture file"))
+        wait_for(lambda: health(mitm.url)["records_written"] == 20, "the warm-up records")
+
+        clients = Clients(mitm.url, 8, "full")
+        try:
+            fill_disk(mitm.proc.pid, capture)
+            wait_for(lambda: not health(mitm.url)["writable"], "the proxy to notice the full disk")
+            wait_for(lambda: sum(s == 503 for _, s, _ in clients.answers) >= 16, "refusals")
+            freed = time.monotonic()
+            free_disk(mitm.proc.pid)
+            wait_for(lambda: any(s == 200 and t > freed for _, s, t in clients.answers[-50:]), "answers after space returned")
+            wait_for(lambda: sum(s == 200 and t > freed for _, s, t in clients.answers) >= 16, "recording to go on")
+        finally:
+            clients.close()
+        answered = {sess for sess, s, _ in clients.answers if s == 200}
+        refused = {sess for sess, s, _ in clients.answers if s == 503}
+        assert refused and answered and None not in {s for _, s, _ in clients.answers}
+        wait_for(lambda: health(mitm.url)["backlog_bytes"] == 0, "the backlog to drain")
+        got, torn = records(captures)
+        recorded = {r["session_id"] for r in got}
+        assert torn == 0
+        assert answered <= recorded  # no call answered 200 went unrecorded
+        assert not (refused & recorded)  # refusals are counted, not recorded with their bodies
+        assert health(mitm.url)["refused"] == len(refused)
+
+        # The disk fills again and mitmdump is stopped before it frees: bounded, and it says what it lost.
+        clients = Clients(mitm.url, 8, "stop")
+        try:
+            fill_disk(mitm.proc.pid, capture)
+            wait_for(lambda: not health(mitm.url)["writable"], "the proxy to notice the full disk again")
+            wait_for(lambda: sum(s == 503 for _, s, _ in clients.answers) >= 8, "refusals")
+            mitm.proc.send_signal(signal.SIGTERM)
+            mitm.proc.wait(DEADLINE_S)  # bounded: the writer gives up after CLOSE_SECONDS and reports
+        finally:
+            clients.close()
+    finally:
+        mitm.stop()
+    log = mitm.output()
+    lost = set(re.findall(r"NOT WRITTEN: record \w+ \(session ([\w.-]+),", log))
+    got, torn = records(captures)
+    recorded = {r["session_id"] for r in got}
+    answered = {sess for sess, s, _ in clients.answers if s == 200}
+    assert torn == 0  # the short write at the limit was cut back
+    assert lost and answered <= recorded | lost  # every call answered 200 is on disk or named in the log
+    assert not (lost & recorded)
+
+
+# ---- items 6 and 9 over the wire -----------------------------------------------------------------------
+
+
+def test_deep_json_and_secrets_over_the_wire(upstream, tmp_path):
+    with Mitmdump(upstream, tmp_path / "captures", log=tmp_path / "mitmdump.log") as mitm:
+        deep = b'{"model": "m", "max_tokens": 5, "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+        r = httpx.post(f"{mitm.url}/v1/messages", content=deep, headers={"x-api-key": "sess-deep", "content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["type"] == "error" and "nested too deeply" in r.json()["error"]["message"]
+        secret = "sk-proj-WIRESECRET"
+        for path, headers in [
+            (f"/v1/chat/completions?API_KEY={secret}", {}),
+            (f"/s/{secret}/v1/chat/completions", {}),
+            ("/v1/chat/completions", {"x-polar-session": secret}),
+        ]:
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+            assert httpx.post(f"{mitm.url}{path}", json=body, headers=headers).status_code == 200
+        wait_for(lambda: check_proxy(mitm.url)["records_written"] == 4, "the records")
+    got, torn = records(tmp_path / "captures")
+    deep_record = next(r for r in got if r["session_id"] == "sess-deep")
+    assert deep_record["error"]["kind"] == "request" and deep_record["status"] == 400 and torn == 0
+    assert sorted(r["session_source"] for r in got) == ["api_key", "key_hash", "key_hash", "key_hash"]
+    for path in (tmp_path / "captures").rglob("*"):
+        assert secret.encode() not in path.read_bytes(), path
