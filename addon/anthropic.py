@@ -308,14 +308,14 @@ class MessagesTranslation:
                 out += self._message_end()
         return b"".join(out)
 
-    def finish(self, complete: bool) -> bytes:
+    def finish(self, complete: bool, message: str | None = None) -> bytes:
         if self.done:
             return b""
         if complete and self.finish_reason:  # no usage chunk came
             return b"".join(self._message_end())
         if complete:
             return self._fail(502, "the upstream stream ended before the answer was complete")
-        return self._fail(500, "polar could not translate the upstream stream")
+        return self._fail(502, message) if message else self._fail(500, "polar could not translate the upstream stream")
 
     def answer(self, response: dict[str, Any]) -> dict[str, Any]:
         choice = (response.get("choices") or [{}])[0]

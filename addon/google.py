@@ -335,11 +335,13 @@ class Translation:
             return self._event(parts) + self._last_event()
         return self._event(parts)
 
-    def finish(self, complete: bool) -> bytes:
+    def finish(self, complete: bool, message: str | None = None) -> bytes:
         if self.done:
             return b""
         if not complete or self.finish_reason is None:
             self.done = True
+            if message:
+                return native.sse(None, self.error(502, message))
             return native.sse(None, self.error(500, "the upstream stream broke off before the answer was complete"))
         return self._last_event()
 

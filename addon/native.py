@@ -138,8 +138,9 @@ class Translation(Protocol):
     def events(self, chunk: dict[str, Any]) -> bytes:
         """Native SSE bytes for one upstream ``chat.completion.chunk`` (b"" when nothing is due yet)."""
 
-    def finish(self, complete: bool) -> bytes:
-        """Closing native events once the upstream stream ended (``complete`` false: it broke)."""
+    def finish(self, complete: bool, message: str | None = None) -> bytes:
+        """Closing native events once the upstream stream ended (``complete`` false: it broke; ``message``, when
+        given, says the upstream broke it off, and the client gets its API's error event with it)."""
 
     def answer(self, response: dict[str, Any]) -> dict[str, Any]:
         """The native non-streamed body for an upstream ``chat.completion``."""

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mitmproxy import ctx, exceptions, http
+from mitmproxy import connection, ctx, exceptions, http
 from mitmproxy.net import encoding
 from mitmproxy.proxy import mode_specs
 
@@ -213,6 +213,7 @@ class Polar:
             # reaches the client as a 502 and the record says why.
             ctx.options.connection_strategy = "lazy"
         proxy_errors.install()
+        translating.install()  # issue 16: a translated stream the upstream breaks off ends with an error event
 
     def done(self) -> None:
         if self.writer is not None:
@@ -408,9 +409,8 @@ class Polar:
         if not isinstance(ex, Exchange):
             return
         message = flow.error.msg if flow.error else "unknown error"
-        # Before response headers the upstream failed us; after them, a broken stream is the
-        # client leaving unless the upstream is named.
-        upstream_side = ex.status is None or "server" in message.lower()
+        # Before response headers the upstream failed us; after them, whoever hung up (issue 16).
+        upstream_side = ex.status is None or _upstream_broke_off(flow, message)
         wire_api = "chat" if flow.metadata.get(translating.TRANSLATION_KEY) is not None else ex.api
         if not upstream_side and ex.error is None and _stream_ended(wire_api, ex.chunks):
             # SDKs hang up once they read the final event, sometimes before the upstream's
@@ -489,6 +489,15 @@ STREAM_END = {
     "responses": b"response.completed",
     "google": b'"finishReason"',
 }
+
+
+def _upstream_broke_off(flow: http.HTTPFlow, message: str) -> bool:
+    """Whether a stream broke on the upstream's side: mitmproxy names the client when it hangs up ("Client
+    disconnected.", "stream reset by client"); otherwise a client still connected did not break it (the upstream's
+    cut reads as an HTTP/1 protocol error: "peer closed connection without sending complete message body")."""
+    if "client" in message.lower():
+        return False
+    return "server" in message.lower() or bool(flow.client_conn.state & connection.ConnectionState.CAN_READ)
 
 
 def _stream_ended(api: str, chunks: list[bytes]) -> bool:

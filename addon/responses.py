@@ -116,8 +116,8 @@ class Translation:
     def events(self, chunk: dict[str, Any]) -> bytes:
         return b"".join(self._state.feed(chunk))
 
-    def finish(self, complete: bool) -> bytes:
-        return b"".join(self._state.finish(complete))
+    def finish(self, complete: bool, message: str | None = None) -> bytes:
+        return b"".join(self._state.finish(complete, message))
 
     def answer(self, response: dict[str, Any]) -> dict[str, Any]:
         choice = (response.get("choices") or [{}])[0]
@@ -318,6 +318,7 @@ class _Answer:
         self.texts: dict[int, str] = {}  # output index -> reasoning or message text so far
         self.calls: dict[int, int] = {}  # chat tool-call index -> output index
         self.finish_reason: str | None = None
+        self.ended = False  # the closing events went out
 
     def emit(self, kind: str, **fields: Any) -> None:
         if not self.quiet:
@@ -411,8 +412,12 @@ class _Answer:
         self.emit("response.output_item.done", output_index=index, item=item)
         self.open = None
 
-    def finish(self, complete: bool) -> list[bytes]:
-        """The closing events; a stream that ended without a finish reason broke, whatever the transport said."""
+    def finish(self, complete: bool, message: str | None = None) -> list[bytes]:
+        """The closing events; a stream that ended without a finish reason broke, whatever the transport said
+        (``message``: why, when the upstream broke it off)."""
+        if self.ended:
+            return []
+        self.ended = True
         self.begin()
         if complete and self.finish_reason is not None:
             if self.open is not None:
@@ -422,7 +427,7 @@ class _Answer:
             self.response["incomplete_details"] = {"reason": reason} if reason else None
             self.emit("response.incomplete" if reason else "response.completed", response=self.response)
         else:
-            message = "the upstream stream ended before the model finished its answer"
+            message = message or "the upstream stream ended before the model finished its answer"
             self.response.update(status="failed", error={"code": "server_error", "message": message})
             self.emit("response.failed", response=self.response)
         out, self.out = self.out, []

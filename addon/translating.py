@@ -55,6 +55,51 @@ class TranslatingTee:
             return [self.translation.finish(complete=False)]
         return [b for b in out if b]
 
+    def abort(self, message: str) -> bytes:
+        """The client's closing events for a stream the upstream broke off: its API's error event (b"" once the
+        stream has ended or broken already)."""
+        if self.broken:
+            return b""
+        self.broken = True
+        try:
+            return self.translation.finish(complete=False, message=message)
+        except Exception:  # never raise into mitmproxy's error handling
+            log.exception("polar: ending the %s stream with an error event failed", self.exchange.api)
+            return b""
+
+
+def install() -> None:
+    """End a translated stream the upstream broke off with the client API's own error event.
+
+    When the upstream's connection dies mid-stream, mitmproxy calls no stream callable; it just cuts the client's
+    stream, which harness SDKs read as a network glitch (or a clean end) rather than as a failed answer. mitmproxy 11
+    has no hook to send bytes at that point, so its HTTP stream layer's protocol-error handler is wrapped: before
+    the cut, it sends the client what ``TranslatingTee.abort`` gives. Streams passed through untranslated (Chat
+    Completions) are left as they are: their bytes are the upstream's.
+    """
+    try:
+        from mitmproxy.connection import ConnectionState
+        from mitmproxy.proxy.layers import http as layer
+        from mitmproxy.proxy.layers.http import _events
+    except ImportError:  # pragma: no cover - another mitmproxy layout: streams are cut without an error event
+        log.warning("polar: cannot end broken translated streams with an error event on this mitmproxy version")
+        return
+    original = layer.HttpStream.handle_protocol_error
+    if getattr(original, "polar", False):
+        return
+
+    def handle_protocol_error(self: Any, event: Any) -> Any:
+        response = self.flow.response
+        tee = response.stream if response is not None else None
+        writable = self.context.client.state & ConnectionState.CAN_WRITE
+        if isinstance(event, _events.ResponseProtocolError) and isinstance(tee, TranslatingTee) and writable:
+            if tail := tee.abort(f"the upstream broke off the stream: {event.message}"):
+                yield layer.SendHttp(_events.ResponseData(self.stream_id, tail), self.context.client)
+        yield from original(self, event)
+
+    handle_protocol_error.polar = True  # type: ignore[attr-defined]
+    layer.HttpStream.handle_protocol_error = handle_protocol_error  # type: ignore[method-assign]
+
 
 def translate_request(
     flow: http.HTTPFlow, ex: Exchange, headers: dict[str, str], options: native.Options
