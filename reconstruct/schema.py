@@ -17,7 +17,9 @@ Written by ``python -m reconstruct`` (reconstruct/_merge.py has the algorithm). 
 - ``drift_turns`` is empty under ``--on-drift split`` (the default): a re-rendered turn starts a new trace there.
 - ``token_source`` is the same for every call of a trace: captured and retokenized calls never merge.
 - Next to the file, ``<stem>.stats.json`` (reconstruct/_stats.py) keeps what the table cannot show: calls that
-  had no usable tokens and why, every chain break by cause, corrupt and torn capture lines.
+  had no usable tokens and why, every chain break by cause, corrupt and torn capture lines, records skipped as
+  duplicates of an earlier one (same record id), lines split because two records were glued into one, and
+  records whose request bodies did not parse (issue 16; added counters, the table itself is unchanged).
 """
 
 from __future__ import annotations
