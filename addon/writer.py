@@ -25,11 +25,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from addon.record import Exchange, encode
+from addon.record import Exchange, encode_parts
 
 log = logging.getLogger(__name__)
 
 RETRY_SECONDS = 0.5
+IOV_MAX = 512  # buffers per writev call (Linux allows 1024)
 CLOSE_SECONDS = 5.0  # how long close() keeps retrying a failing disk before it gives up and says what it lost
 _STOP = object()
 
@@ -38,7 +39,8 @@ _STOP = object()
 class Line:
     """One encoded record and what to say about it if it never reaches the disk."""
 
-    data: bytes
+    parts: tuple[bytes, ...]  # the line in pieces (see record.encode_parts)
+    length: int
     id: str
     session_id: str
     api: str
@@ -46,7 +48,7 @@ class Line:
     size: int  # what submit() counted into the backlog for it
 
     def describe(self) -> str:
-        return f"record {self.id} (session {self.session_id}, {self.api}, status {self.status}, {len(self.data)} bytes)"
+        return f"record {self.id} (session {self.session_id}, {self.api}, status {self.status}, {self.length} bytes)"
 
 
 class CaptureWriter:
@@ -119,7 +121,7 @@ class CaptureWriter:
             size = self._size
             for line in lines:  # one write per burst, but a file ends near its size limit
                 group.append(line)
-                size += len(line.data)
+                size += line.length
                 if size >= self.rotate_bytes:
                     self._write_until_done(group)
                     group, size = [], 0
@@ -130,13 +132,13 @@ class CaptureWriter:
 
     def _encode(self, exchange: Exchange, size: int) -> Line | None:
         try:
-            data = encode(exchange, self.decode_content)
+            parts = encode_parts(exchange, self.decode_content)
         except Exception as e:  # a bug here loses this record only, and says so
             log.exception("polar: could not encode record %s; it is lost", exchange.id)
             self._done(size)
             self.unwritten.append(f"record {exchange.id} (session {exchange.session_id}): not encodable: {e}")
             return None
-        return Line(data, exchange.id, exchange.session_id, exchange.api, exchange.status, size)
+        return Line(parts, sum(map(len, parts)), exchange.id, exchange.session_id, exchange.api, exchange.status, size)
 
     def _done(self, size: int) -> None:
         with self._lock:
@@ -146,13 +148,8 @@ class CaptureWriter:
         if self._fd is not None and self._size >= self.rotate_bytes:
             self._close_fd()
         while lines:
-            written = self._write_once(b"".join(line.data for line in lines))
-            whole = 0  # lines fully on disk
-            for line in lines:
-                if written < len(line.data):
-                    break
-                written -= len(line.data)
-                whole += 1
+            whole = self._write_once(lines)  # lines fully on disk
+            for line in lines[:whole]:
                 self._done(line.size)
             self.records_written += whole
             lines = lines[whole:]
@@ -168,39 +165,45 @@ class CaptureWriter:
             log.warning("polar: capture writes work again")
             self.failure = None
 
-    def _write_once(self, data: bytes) -> int:
-        """Write ``data``; on failure cut a partial line back off the file. Returns the bytes kept on disk."""
+    def _write_once(self, lines: list[Line]) -> int:
+        """Write ``lines`` (one ``writev`` per burst, no joined copy); on failure cut a partial line back off
+        the file. Returns how many lines are fully on disk."""
         start, done = self._size, 0
         try:
             if self._fd is None:
                 self._open_next()
                 start = self._size
             assert self._fd is not None
-            pending = memoryview(data)
+            pending = [memoryview(part) for line in lines for part in line.parts if part]
             while pending:
-                n = os.write(self._fd, pending)
-                pending = pending[n:]
+                n = os.writev(self._fd, pending[:IOV_MAX])
                 done += n
                 self._size += n
+                while pending and n >= len(pending[0]):  # drop what went out, keep the rest of a part cut short
+                    n -= len(pending.pop(0))
+                if n:
+                    pending[0] = pending[0][n:]
             if self.fsync:
                 os.fsync(self._fd)
-            return done
+            return len(lines)
         except OSError as e:
             if self.failure is None:
                 log.error("polar: capture write failed (%s); refusing model calls until it works", e)
             self.failure = f"{type(e).__name__}: {e}"
-        if done and self._fd is not None:
+        whole, keep = 0, 0
+        for line in lines:
+            if keep + line.length > done:
+                break
+            whole, keep = whole + 1, keep + line.length
+        if done > keep and self._fd is not None:
             # Keep the whole lines that made it; cut the torn tail so the file never holds half a record.
-            keep = data.rfind(b"\n", 0, done) + 1
             try:
                 os.ftruncate(self._fd, start + keep)
                 self._size = start + keep
-                return keep
             except OSError as e:  # cannot cut: leave the torn tail (readers skip it) and go on in a new file
                 log.error("polar: could not cut a partial record off %s (%s); continuing in a new file", self.path, e)
                 self._close_fd()
-                return keep
-        return 0
+        return whole
 
     def _open_next(self) -> None:
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -21,19 +21,19 @@ SALT = b"salt"
 
 
 class FullDisk:
-    """``os.write`` for the writer: writes ``allow`` more bytes, then fails with ENOSPC until ``free()``."""
+    """``os.writev`` for the writer: writes ``allow`` more bytes, then fails with ENOSPC until ``free()``."""
 
     def __init__(self, allow: int = 0) -> None:
         self.allow = allow
         self.full = True
-        self.real = os.write
+        self.real = os.writev
         self.failures = 0
 
-    def __call__(self, fd, data):
+    def __call__(self, fd, buffers):
         if not self.full:
-            return self.real(fd, data)
+            return self.real(fd, buffers)
         if self.allow > 0:
-            n = self.real(fd, bytes(data[: self.allow]))
+            n = os.write(fd, b"".join(buffers)[: self.allow])
             self.allow -= n
             return n
         self.failures += 1
@@ -98,7 +98,7 @@ def test_a_write_torn_by_a_full_disk_is_cut_back_and_finished_when_space_returns
     for flow in in_flight:
         addon.request(flow)  # admitted before the disk filled
     disk = FullDisk(allow=300)  # the next write stops 300 bytes into a record
-    monkeypatch.setattr(writer.os, "write", disk)
+    monkeypatch.setattr(writer.os, "writev", disk)
     for flow in in_flight:
         finish(addon, flow)  # answered 200 to the client: these records must not be lost
     wait_for(lambda: disk.failures >= 2)
@@ -120,7 +120,7 @@ def test_a_write_torn_by_a_full_disk_is_cut_back_and_finished_when_space_returns
 
 def test_shutdown_on_a_full_disk_is_bounded_and_names_every_record_it_lost(addon, tctx, tmp_path, monkeypatch, caplog):
     disk = FullDisk(allow=100)
-    monkeypatch.setattr(writer.os, "write", disk)
+    monkeypatch.setattr(writer.os, "writev", disk)
     monkeypatch.setattr(writer, "CLOSE_SECONDS", 1.0)
     flows = [make_chat_flow(headers=((b"authorization", f"Bearer lost-{i}".encode()),)) for i in range(3)]
     for flow in flows:
@@ -272,3 +272,12 @@ def test_secret_session_ids_and_query_keys_never_reach_disk(addon, tctx, tmp_pat
     assert {r["session_source"] for r in records[:5] + records[6:]} == {"key_hash"}
     for f in (tmp_path / "captures").iterdir():
         assert secret.encode() not in f.read_bytes(), f
+
+
+def test_short_writes_split_inside_a_record_still_give_whole_lines(addon, tctx, tmp_path, monkeypatch):
+    real = os.writev
+    monkeypatch.setattr(writer.os, "writev", lambda fd, buffers: real(fd, [bytes(b"".join(buffers)[:7])]))
+    for i in range(3):
+        run_exchange(addon, make_chat_flow(headers=((b"authorization", f"Bearer short-{i}".encode()),)), [b"{}"])
+    addon.done()
+    assert [r["session_id"] for r in read_records(tmp_path / "captures")] == ["short-0", "short-1", "short-2"]
