@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(BIN)/python -m tests.bench.proxy
 	$(BIN)/python -m tests.bench.reconstruct
 	$(BIN)/python -m tests.bench.train
+	$(BIN)/python -m tests.bench.reliability
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -271,9 +271,12 @@ class Polar:
             status, message = 500, f"polar could not handle this request: {type(e).__name__}"
         flow.response = translating.json_response(status, translating.error_body(api, status, message))
         if not isinstance(ex, Exchange):
+            path = flow.request.path.partition("?")[0]  # no query string: it may hold a key
+            if m := session.PATH_PREFIX.match(path):  # nor a session prefix: it may be a secret
+                path = m.group(2) or "/"
             ex = Exchange(
                 session_id="anonymous", session_source="anonymous", api=api, upstream=self.upstream,
-                method=flow.request.method, path=flow.request.path.partition("?")[0],
+                method=flow.request.method, path=path,
                 t_start=flow.request.timestamp_start or time.time(), request_headers={},
             )  # fmt: skip
             flow.metadata[METADATA_KEY] = ex

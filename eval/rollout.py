@@ -12,6 +12,9 @@ commit, without harness and cache folders (HARNESS_FOLDERS). Each session ends w
 ``no_edit`` (exit 0, no change), ``crashed`` (non-zero exit), ``timeout``, ``setup_failed`` (checkout or launch
 failed). Sessions run ``--concurrency`` at a time; one that crashes or hangs never stops the others.
 
+Before anything runs, the proxy must answer ``GET /polar/health`` as a recording capture addon
+(``eval.services.check_proxy``): a mitmdump whose addon did not load forwards every call unrecorded.
+
 Writes RUN_DIR/tasks.jsonl (the instances used), RUN_DIR/sessions.parquet (eval/runs.py; one row per task x
 sample in task order, then sample order) and RUN_DIR/logs/<session_id>/{stdout,stderr}.txt. Next:
 ``python -m eval score RUN_DIR``.

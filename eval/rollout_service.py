@@ -4,7 +4,8 @@
     python -m eval.rollout_service --proxy http://127.0.0.1:8080 --captures captures --root runs/service \\
         [--port 8090] [--workers 2] [--session-concurrency 1] [--token-file FILE] [--tokenizer DIR]
 
-The proxy (mitmdump with addon/polar.py) is the user's; ``--captures`` is its ``polar_dir``. Every submitted job
+The proxy (mitmdump with addon/polar.py) is the user's; ``--captures`` is its ``polar_dir`` (checked at start against
+the proxy's ``GET /polar/health``: the service refuses a proxy that would not record, or records elsewhere). Every job
 runs the batch phases as subprocesses, each in its own process group, one after the other, in its own folder
 ``ROOT/<job_id>/``: ``python -m eval rollout`` (run/), ``python -m eval score run/``, then the job's sessions' records
 copied out of the captures (captures.jsonl), ``python -m reconstruct`` on them (trajectories.parquet) and ``python -m

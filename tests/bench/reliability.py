@@ -319,12 +319,12 @@ def memory(cfg: Config, tmp: Path, *, bare: bool) -> dict[str, Any]:
             headers = {"authorization": "Bearer mem", "content-type": "application/json"}
             c.post(proxy.url + CHAT, json=_body(), headers=headers)
             base = rss_kb(proxy.pid)
-            for _ in range(cfg.bodies):
+            for n in range(cfg.bodies):
                 r = c.post(proxy.url + CHAT, content=body, headers=headers)
                 if r.status_code != 200:
                     raise RuntimeError(f"a {cfg.body_mb} MB body got {r.status_code}: {r.text[:200]}")
-        if not bare:
-            wait_for(lambda: health(proxy.port)["records_written"] == cfg.bodies + 1, "the records")
+                if not bare:  # one body at a time: its record written before the next arrives
+                    wait_for(lambda: health(proxy.port)["records_written"] == n + 2, "the record")
         time.sleep(1.0)
         after = rss_kb(proxy.pid)
         mb = len(body) / (1 << 20)
@@ -362,6 +362,7 @@ def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         ("  records named as not written / lost silently", f"{d['shutdown_named_not_written']} / {d['shutdown_silently_lost']}"),
         ("  torn lines", str(d["shutdown_torn_lines"])),
         (f"{result['config']['body_mb']} MB bodies: peak RSS per MB of body, bare / addon", f"{bare['peak_per_body_mb']:.2f} / {addon['peak_per_body_mb']:.2f}"),
+        ("  addon's own cost: peak RSS per MB of body, addon - bare", f"{addon['peak_per_body_mb'] - bare['peak_per_body_mb']:.2f}"),
         ("  RSS left per MB of body after, bare / addon", f"{bare['left_per_body_mb']:.2f} / {addon['left_per_body_mb']:.2f}"),
         ("  peak RSS (MB), bare / addon", f"{bare['peak_rss_mb']:.0f} / {addon['peak_rss_mb']:.0f}"),
     ]  # fmt: skip
