@@ -328,13 +328,12 @@ class Polar:
             request_headers=session.recordable_headers(headers),
             request=request,
         )
-        if (problem := self._recording_problem()) and (ex.api != "other" or self.writer is None or self.writer.failure):
-            # Not recorded at all: a refusal kept with its body would fill the memory the backlog needs.
-            # A path that is no model call goes on unrecorded only while the disk fails (logged once there).
-            self.refused += ex.api != "other"
-            if ex.api != "other":
-                message = f"polar is not recording ({problem}); refusing model calls until it is"
-                flow.response = translating.json_response(503, translating.error_body(ex.api, 503, message))
+        if problem := self._recording_problem():
+            # Refused and counted, not recorded: a refusal kept with its body would fill the memory the
+            # backlog needs. Paths the addon does not know are refused too: nothing it records goes unrecorded.
+            self.refused += 1
+            message = f"polar is not recording ({problem}); refusing calls until it is"
+            flow.response = translating.json_response(503, translating.error_body(ex.api, 503, message))
             return
         flow.metadata[METADATA_KEY] = ex
         if request.too_deep and api != "other":  # json.loads gave up: answered and recorded, never forwarded

@@ -65,7 +65,10 @@ def test_refused_calls_are_counted_not_queued_with_their_bodies(addon, tctx, tmp
         addon.request(flow)
         assert flow.response.status_code == 503 and "not recording" in json.loads(flow.response.content)["error"]["message"]
         addon.response(flow)  # what mitmproxy calls next for an answer the addon gave
-    assert addon.writer.backlog_bytes == 0 and addon.refused == 20
+    flow = make_chat_flow(path="/v1/whatever")  # not a model call, but recorded when forwarded: refused too
+    addon.request(flow)
+    assert flow.response.status_code == 503
+    assert addon.writer.backlog_bytes == 0 and addon.refused == 21
     addon.writer.failure = None
     addon.done()
     assert not (tmp_path / "captures").exists() or read_records(tmp_path / "captures") == []

@@ -100,6 +100,23 @@ def test_a_recording_proxy_answers_its_health(upstream, tmp_path):
             rollout_service.check_capture_proxy(rollout_service.Args(proxy=mitm.url, captures=tmp_path / "elsewhere"))
 
 
+def test_a_transparent_proxy_answers_its_health_as_a_proxy(upstream, tmp_path):
+    port = free_port()
+    cmd = [str(Path(sys.executable).parent / "mitmdump"), "--mode", f"regular@127.0.0.1:{port}", "-s", "addon/polar.py",
+           "--set", f"confdir={tmp_path / 'conf'}", "--set", f"polar_reroute={upstream}",
+           "--set", f"polar_dir={tmp_path / 'captures'}"]  # fmt: skip
+    with Service(cmd, port=port, log=tmp_path / "mitmdump.log") as proxy:
+        health = wait_for(lambda: _health_or_none(proxy.url), "the health answer through the proxy")
+    assert health["loaded"] and health["options"]["polar_dir"] == str((tmp_path / "captures").resolve())
+
+
+def _health_or_none(url):
+    try:
+        return check_proxy(url, transparent=True, timeout=5)
+    except ProxyNotRecording:
+        return None
+
+
 # ---- item 1: a full disk under 8 clients ---------------------------------------------------------------
 
 
