@@ -352,9 +352,12 @@ class Polar:
         upstream = ex.upstream
         body = ex.request.value
         if ex.api in translating.NATIVE and self.translate and not to_provider and flow.request.method == "POST":
+            ex.request.full()  # a translation reads the whole conversation
             translating.translate_request(flow, ex, headers, self.native_options)
         elif isinstance(body, dict) and (ex.api == "chat" or (ex.api == "responses" and upstream == "vllm")):
             added = chat.token_fields(body, upstream) if ex.api == "chat" else responses.vllm_token_fields(body)
+            if added and any(key.partition(".")[0] in body for key in added):
+                body = ex.request.full()  # splice re-serialises the whole body to change a field the client sent
             if added:
                 sent, pure_addition = chat.splice(data, body, added)
                 flow.request.content = sent

@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,6 +85,27 @@ def new_record_id() -> str:
     return secrets.token_hex(16)
 
 
+LEAN_BYTES = 8 << 20  # bodies larger than this are parsed lean (see Body.parse): less memory, more CPU
+KEEP_CHARS = 1 << 16  # a bulk member longer than this (as text) is checked, not kept, in a lean parse
+# Top-level members that carry a conversation's bulk in the APIs the addon speaks; none of them is read
+# to decide the token fields, so a lean parse may leave them out.
+BULK_KEYS = frozenset(
+    ("messages", "tools", "functions", "input", "instructions", "contents", "system", "systemInstruction", "prompt")
+)
+
+
+class Elided:
+    """A member of a large body that was checked as JSON but not kept (see :meth:`Body.parse`)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<elided>"
+
+
+ELIDED = Elided()
+
+
 @dataclass
 class Body:
     """A message body as captured: parsed JSON when it is JSON, else raw.
@@ -91,19 +113,28 @@ class Body:
     ``json_bytes`` keeps the exact bytes (line breaks folded to spaces, which is lossless: outside
     strings they are whitespace, inside strings JSON allows them only escaped) so a record line
     embeds a 100 KB prompt without re-serialising it.
+
+    A body over :data:`LEAN_BYTES` is parsed ``lean``: checked as JSON as a whole, but its large
+    bulk members (:data:`BULK_KEYS`: the messages, the tools, ...) are checked element by element
+    and left out of ``value`` (:data:`ELIDED`), so a 50 MB prompt never exists as Python objects next
+    to its decoded text; :meth:`full` parses the whole value when something needs it (translation).
     """
 
     value: Any = None
     json_bytes: bytes | None = None
     raw: dict[str, str] | None = None
     too_deep: bool = False  # JSON nested deeper than the parser recurses: kept raw, the call is refused
+    lean: bool = False  # value holds ELIDED members
 
     @classmethod
-    def parse(cls, data: bytes) -> "Body":
+    def parse(cls, data: bytes, *, lean_over: int = LEAN_BYTES) -> "Body":
         if not data:
             return cls()
+        lean = len(data) > lean_over
         try:
-            value = json.loads(data.decode("utf-8"))  # strict UTF-8: the record line must be UTF-8
+            text = data.decode("utf-8")  # strict UTF-8: the record line must be UTF-8
+            value = _lean_loads(text) if lean else json.loads(text)
+            del text
         except (UnicodeDecodeError, ValueError):
             return cls(raw=raw_body(data))
         except RecursionError:
@@ -111,11 +142,98 @@ class Body:
         # The body itself when it has no line break (what JSON encoders write): a 50 MB prompt costs
         # no copy here; else one copy with the breaks folded.
         folded = data.translate(_FOLD) if b"\n" in data or b"\r" in data else data
-        return cls(value=value, json_bytes=folded)
+        return cls(value=value, json_bytes=folded, lean=lean and isinstance(value, dict))
+
+    def full(self) -> Any:
+        """The whole parsed value (parsing the body again after a lean parse)."""
+        if self.lean and self.json_bytes is not None:
+            self.value, self.lean = json.loads(self.json_bytes.decode("utf-8")), False
+        return self.value
 
     @property
     def is_json(self) -> bool:
         return self.json_bytes is not None
+
+
+_WS = re.compile(r"[ \t\n\r]*")  # JSON's whitespace, as the json module reads it
+# A JSON string as the json module's strict scanner accepts it: no raw control characters, only JSON's escapes.
+_STRING = re.compile(r'"[^"\\\x00-\x1f]*(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f]*)*"')
+_DECODER = json.JSONDecoder()
+
+
+def _ws(s: str, i: int) -> int:
+    return _WS.match(s, i).end()  # type: ignore[union-attr]  # matches the empty string too
+
+
+def _lean_loads(s: str) -> Any:
+    """``json.loads(s)`` for a top-level object, accepting and refusing the same texts, but with the bulk
+    members longer than KEEP_CHARS checked without building them and left out (ELIDED)."""
+    i = _ws(s, 0)
+    if s[i : i + 1] != "{":
+        return json.loads(s)
+    body: dict[str, Any] = {}
+    i = _ws(s, i + 1)
+    if s[i : i + 1] == "}":
+        i += 1
+    else:
+        while True:
+            if s[i : i + 1] != '"':
+                raise ValueError(f"expected a property name at char {i}")
+            key, i = _DECODER.raw_decode(s, i)
+            i = _ws(s, i)
+            if s[i : i + 1] != ":":
+                raise ValueError(f"expected ':' at char {i}")
+            start = i = _ws(s, i + 1)
+            if key in BULK_KEYS:
+                i = _check(s, i)
+                body[key] = json.loads(s[start:i]) if i - start <= KEEP_CHARS else ELIDED
+            else:
+                body[key], i = _DECODER.raw_decode(s, i)
+            i = _ws(s, i)
+            if s[i : i + 1] == ",":
+                i = _ws(s, i + 1)
+                continue
+            if s[i : i + 1] != "}":
+                raise ValueError(f"expected ',' or '}}' at char {i}")
+            i += 1
+            break
+    if _ws(s, i) != len(s):
+        raise ValueError(f"extra data at char {i}")
+    return body
+
+
+def _check(s: str, i: int) -> int:
+    """Check the JSON value at ``s[i]`` without building its strings, arrays or objects; its end.
+
+    Strings are matched by a regular expression, numbers and constants by the json module itself, so
+    the cost in Python is per array element and object member, not per byte.
+    """
+    c = s[i : i + 1]
+    if c == '"':
+        if (m := _STRING.match(s, i)) is None:
+            raise ValueError(f"invalid string at char {i}")
+        return m.end()
+    if c not in ("[", "{"):
+        return _DECODER.raw_decode(s, i)[1]  # a number, true, false, null, NaN, Infinity
+    close = "]" if c == "[" else "}"
+    i = _ws(s, i + 1)
+    if s[i : i + 1] == close:
+        return i + 1
+    while True:
+        if close == "}":
+            if s[i : i + 1] != '"' or (m := _STRING.match(s, i)) is None:
+                raise ValueError(f"expected a property name at char {i}")
+            i = _ws(s, m.end())
+            if s[i : i + 1] != ":":
+                raise ValueError(f"expected ':' at char {i}")
+            i = _ws(s, i + 1)
+        i = _ws(s, _check(s, i))
+        if s[i : i + 1] == ",":
+            i = _ws(s, i + 1)
+        elif s[i : i + 1] == close:
+            return i + 1
+        else:
+            raise ValueError(f"expected ',' or '{close}' at char {i}")
 
 
 def raw_body(data: bytes) -> dict[str, str]:
