@@ -285,7 +285,7 @@ class Service:
         copy_session_records(self.args.captures, run, folder / "captures.jsonl", folder / "captures.summary.json")
         traces = folder / "trajectories.parquet"
         build = [py, "-m", "reconstruct", str(folder / "captures.jsonl"), "-o", str(traces), "--no-progress",
-                 "--sessions", str(run / "sessions.parquet")]  # fmt: skip
+                 "--sessions", str(run / "sessions.parquet"), "--allow-empty"]  # fmt: skip
         build += ["--tokenizer", self.args.tokenizer] if self.args.tokenizer else []
         if self._phase(job_id, "reconstruct", build, PHASE_SLACK_S) is None and graded:
             join = [py, "-m", "eval", "join", str(traces), str(run), "-o", str(traces)]

@@ -7,7 +7,8 @@
 
 The first form writes the table and ``trajectories.stats.json`` next to it, and prints the stats (sessions,
 calls, traces, tokens, chain breaks by cause). Exit status 0 on success, 2 on bad options or unreadable input, and
-2 without writing anything when the captures hold no usable model call (a folder of garbage is not an empty run).
+2 without writing anything when the captures hold no usable model call (a folder of garbage is not an empty run;
+``--allow-empty`` lets captures with no line at all write an empty table).
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class Build:
     per CPU, up to 8, once the captures pass 256 MB, else 1 (starting a worker costs about half a second)."""
     progress: bool = True
     """Show a progress bar over sessions (on a terminal)."""
+    allow_empty: bool = False
+    """Write an empty table (exit 0) when the captures hold no line at all: sessions that never called the model
+    (a harness that crashed first) are an empty run. Lines that hold no usable model call still exit 2."""
 
     def __post_init__(self) -> None:
         if not self.captures:
@@ -121,7 +125,7 @@ def build(config: Build) -> None:
         jobs=config.jobs if config.jobs is not None else _auto_jobs(config.captures),
         progress=(lambda names: tqdm(names, unit="session", disable=None)) if config.progress else None,
     )
-    if df.height == 0:
+    if df.height == 0 and not (config.allow_empty and stats.lines == 0):
         raise ReconstructError(_nothing_usable(config.captures, stats))
     write_trajectories(df, stats, config.output)
     console.print(stats.table(f"{config.output} ({time.perf_counter() - started:.1f} s)"))

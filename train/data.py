@@ -5,6 +5,11 @@ a ``DataError`` that names the file, the row and what to fix. ``plan_steps`` spl
 steps, ``pack`` fills micro-batches up to a token budget (several traces in one row, no padding; the model
 tells them apart by their restarting position ids), ``balance`` hands micro-batches to ranks so that every rank
 runs the same number of forward/backward passes, and ``collate`` builds the tensors of one micro-batch.
+
+With ``share_prefix``, traces that begin with the same tokens (the samples of one task start from one prompt)
+are packed as one *family*: the shared prefix once, then each trace's own tail, which attends to the prefix and
+to itself only (``MicroBatch.family``/``member`` give the mask, ``attention_mask`` builds it). The log-probs are
+those of separate rows up to float noise, for a fraction of the compute when prompts are most of each trace.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ __all__ = [
     "Rollout",
     "Trace",
     "balance",
+    "attention_mask",
     "collate",
+    "families",
     "load",
     "make_traces",
     "pack",
@@ -78,9 +85,23 @@ class MicroBatch:
     weight: torch.Tensor  # (N,) the token's weight in the step's loss (sums to the loss normaliser)
     behav_logp: torch.Tensor  # (N,) captured log-probs; NaN where not captured
     session: torch.Tensor  # (N,) session index, for metrics
+    family: torch.Tensor | None = None  # (T,) shared-prefix packing: the family of each token
+    member: torch.Tensor | None = None  # (T,) its trace within the family; -1 on the family's shared prefix
 
     def to(self, device: torch.device) -> MicroBatch:
-        return MicroBatch(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
+        return MicroBatch(**{f.name: None if (v := getattr(self, f.name)) is None else v.to(device)
+                             for f in dataclasses.fields(self)})  # fmt: skip
+
+
+def attention_mask(family: torch.Tensor, member: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The (1, 1, T, T) additive mask of a shared-prefix micro-batch (``MicroBatch.family``/``member``): a token
+    attends to earlier tokens of its family's prefix and of its own trace. Plain packing needs none: restarting
+    position ids tell the model where traces start."""
+    t = torch.arange(family.shape[0], device=family.device)
+    same_trace = (member[:, None] == member[None, :]) | (member[None, :] == -1)
+    allowed = (t[:, None] >= t[None, :]) & (family[:, None] == family[None, :]) & same_trace  # (T, T)
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)[None, None]
 
 
 def _lists(df: pl.DataFrame, column: str, dtype: type) -> list[np.ndarray]:
@@ -277,10 +298,46 @@ def balance(bin_tokens: Sequence[int], world: int) -> list[list[int | None]]:
     return [r + [None] * (n - len(r)) for r in ranks]
 
 
-def rank_micro_batches(step_traces: Sequence[Trace], weights: np.ndarray, budget: int, rank: int,
-                       world: int) -> list[MicroBatch]:  # fmt: skip
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+def families(traces: Sequence[Trace], budget: int) -> list[tuple[int, list[int]]]:
+    """Traces grouped by a shared prefix: ``(prefix length, indices)`` per family, each at most ``budget`` tokens
+    packed (prefix once plus every tail). Traces in token order put shared prefixes side by side; a trace joins
+    the family before it when that saves tokens, i.e. when the family's members times the new shared length
+    exceeds its other members times the old one."""
+    order = sorted(range(len(traces)), key=lambda i: (traces[i].tokens.astype(">i8").tobytes(), i))
+    found: list[tuple[int, list[int]]] = []
+    for i in order:
+        if found:
+            shared, members = found[-1]
+            joined = min(shared, _common_prefix(traces[members[0]].tokens, traces[i].tokens))
+            tails = sum(len(traces[m].tokens) - joined for m in members) + len(traces[i].tokens) - joined
+            if joined > 0 and len(members) * joined > (len(members) - 1) * shared and joined + tails <= budget:
+                found[-1] = (joined, [*members, i])
+                continue
+        if len(traces[i].tokens) > budget:
+            raise ValueError(f"trace {i} has {len(traces[i].tokens)} tokens, over the budget of {budget}")
+        found.append((len(traces[i].tokens), [i]))
+    return found
+
+
+def rank_micro_batches(step_traces: Sequence[Trace], weights: np.ndarray, budget: int, rank: int, world: int,
+                       share_prefix: bool = False) -> list[MicroBatch]:  # fmt: skip
     """This rank's micro-batches of one optimizer step (the same count on every rank): the step's traces packed
-    into ``budget``-token rows, dealt over ``world`` ranks; ``weights`` (M,) is each trace's per-token loss weight."""
+    into ``budget``-token rows, dealt over ``world`` ranks; ``weights`` (M,) is each trace's per-token loss weight.
+    ``share_prefix`` packs families of traces that begin alike, each shared prefix once (see the module doc)."""
+    if share_prefix:
+        fams = families(step_traces, budget)
+        sizes = [p + sum(len(step_traces[i].tokens) - p for i in members) for p, members in fams]
+        bins = pack(sizes, budget)
+        dealt = balance([sum(sizes[f] for f in b) for b in bins], world)[rank]
+        return [collate_shared([(fams[f][0], [step_traces[i] for i in fams[f][1]]) for f in bins[b]],
+                               [weights[i] for f in bins[b] for i in fams[f][1]])
+                if b is not None else collate([], []) for b in dealt]  # fmt: skip
     bins = pack([len(t.tokens) for t in step_traces], budget)
     dealt = balance([sum(len(step_traces[i].tokens) for i in b) for b in bins], world)[rank]
     return [collate([step_traces[i] for i in bins[b]], weights[bins[b]]) if b is not None else collate([], [])
@@ -310,4 +367,42 @@ def collate(traces: Sequence[Trace], weights: Sequence[float]) -> MicroBatch:
         weight=torch.from_numpy(np.repeat(np.asarray(weights, dtype=np.float64), n)).float(),  # (N,)
         behav_logp=torch.from_numpy(np.concatenate([t.behav_logp for t in traces])).float(),  # (N,)
         session=torch.from_numpy(np.repeat([t.session for t in traces], n)),  # (N,)
+    )
+
+
+def collate_shared(fams: Sequence[tuple[int, Sequence[Trace]]], weights: Sequence[float]) -> MicroBatch:
+    """Pack families into one row: each family's first ``shared`` tokens once, then each member's tokens after
+    them, positions continuing from the prefix. ``weights`` follow the traces family by family."""
+    tokens, positions, family, member, sel, targets = [], [], [], [], [], []
+    start = 0
+    for f, (shared, traces) in enumerate(fams):
+        tokens.append(traces[0].tokens[:shared])
+        positions.append(np.arange(shared))
+        family.append(np.full(shared, f))
+        member.append(np.full(shared, -1))
+        tail = start + shared  # row index of the next tail's first token
+        for k, t in enumerate(traces):
+            n = len(t.tokens) - shared
+            tokens.append(t.tokens[shared:])
+            positions.append(np.arange(shared, len(t.tokens)))
+            family.append(np.full(n, f))
+            member.append(np.full(n, k))
+            # position j of the trace: in the prefix (start + j) or in its tail (tail + j - shared)
+            sel.append(np.where(t.trained < shared, start + t.trained, tail + t.trained - shared))
+            targets.append(t.tokens[t.trained + 1])
+            tail += n
+        start = tail
+    traces = [t for _, ts in fams for t in ts]
+    n_trained = [len(t.trained) for t in traces]
+    return MicroBatch(
+        input_ids=torch.from_numpy(np.concatenate(tokens))[None],  # (1, T)
+        position_ids=torch.from_numpy(np.concatenate(positions))[None],  # (1, T)
+        sel=torch.from_numpy(np.concatenate(sel)),  # (N,)
+        targets=torch.from_numpy(np.concatenate(targets)),  # (N,)
+        adv=torch.from_numpy(np.repeat([t.adv for t in traces], n_trained)).float(),  # (N,)
+        weight=torch.from_numpy(np.repeat(np.asarray(weights, dtype=np.float64), n_trained)).float(),  # (N,)
+        behav_logp=torch.from_numpy(np.concatenate([t.behav_logp for t in traces])).float(),  # (N,)
+        session=torch.from_numpy(np.repeat([t.session for t in traces], n_trained)),  # (N,)
+        family=torch.from_numpy(np.concatenate(family)),  # (T,)
+        member=torch.from_numpy(np.concatenate(member)),  # (T,)
     )

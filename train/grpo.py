@@ -124,6 +124,11 @@ class Config:
     micro_batch_tokens: int = 32768
     """Not in Polar (it packs 30k tokens per GPU): tokens per forward pass; traces are packed into one row up
     to this budget, without padding."""
+    share_prefix: bool = False
+    """Not in Polar: pack the traces that begin alike (a group's samples share their first prompt) with that
+    prefix computed once, through a (T, T) attention mask per micro-batch. Same log-probs and gradients to float
+    noise; 4.5x fewer tokens per step in `make demo`, where prompts are 85 % of each trace. Needs an attention
+    backend that takes a 4D mask (sdpa, eager), and T^2 mask memory: meant for short traces."""
     logprob_chunk: int = 512
     """Positions projected to the vocabulary at once: (chunk, vocab) logits are the most that ever exist."""
     gradient_checkpointing: bool = True
@@ -179,6 +184,9 @@ class Config:
             raise ConfigError("--kl-coef must be >= 0, --temperature and --lr > 0, --lora-dropout in [0, 1)")
         if self.dr_grpo_tokens is not None and self.dr_grpo_tokens < 1:
             raise ConfigError("--dr-grpo-tokens must be >= 1")
+        if self.share_prefix and self.attn_implementation not in (None, "sdpa", "eager"):
+            raise ConfigError(f"--share-prefix needs --attn-implementation sdpa or eager (a 4D attention mask), "
+                              f"not {self.attn_implementation}")  # fmt: skip
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ConfigError("--grad-clip must be > 0, or None")
 
@@ -201,17 +209,23 @@ class Policy(torch.nn.Module):
         self._no_split_modules = list(getattr(peft_model.get_base_model(), "_no_split_modules", None) or [])
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, sel: torch.Tensor, targets: torch.Tensor,
-                reference: bool = False, with_entropy: bool = False, token_loss: TokenLoss | None = None
+                family: torch.Tensor | None = None, member: torch.Tensor | None = None, reference: bool = False,
+                with_entropy: bool = False, token_loss: TokenLoss | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """``(logp, entropy, loss)`` of the ``sel`` positions' next tokens; loss only with ``token_loss``."""
+        """``(logp, entropy, loss)`` of the ``sel`` positions' next tokens; loss only with ``token_loss``.
+        ``family``/``member``: a shared-prefix micro-batch (train/data.py), attended through its own mask."""
         base = self.peft.get_base_model()
+        mask = None
+        if family is not None and member is not None:
+            mask = data.attention_mask(family, member, base.get_input_embeddings().weight.dtype)
         lm_head = base.get_output_embeddings()
         head = lm_head
         if cap := getattr(base.config, "final_logit_softcapping", None):  # Gemma-style logit soft-capping
             head = functools.partial(_softcapped, lm_head, cap)
         opts = {"chunk": self.chunk, "temperature": self.temperature, "with_entropy": with_entropy}
         with self.peft.disable_adapter() if reference else contextlib.nullcontext():
-            out = base.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+            out = base.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                                     use_cache=False)
             hidden = out.last_hidden_state[0, sel]  # (N, H)
             if token_loss is None:
                 return *token_logprobs(hidden, targets, head, **opts), None
@@ -261,7 +275,7 @@ def load_policy(cfg: Config, mixed_precision: str) -> Policy:
 def accumulate(accelerator: Accelerator, policy: torch.nn.Module, mb: MicroBatch, old_logp: torch.Tensor | None,
                cfg: Config, importance: Any, stats: runtime.StepStats) -> float:  # fmt: skip
     """Add one micro-batch's share of the step's loss gradient to ``.grad``; returns its loss contribution."""
-    args = (mb.input_ids, mb.position_ids, mb.sel, mb.targets)
+    args = (mb.input_ids, mb.position_ids, mb.sel, mb.targets, mb.family, mb.member)
     ref_logp = None
     if cfg.kl_coef > 0:
         with torch.no_grad():
@@ -292,7 +306,7 @@ def rank_micro_batches(step_traces: list[Trace], cfg: Config, aggregate: losses.
     sessions = np.array([t.session for t in step_traces])  # (M,)
     n_trained = np.array([len(t.trained) for t in step_traces])  # (M,)
     weight = aggregate(sessions, n_trained, cfg.dr_grpo_tokens or cfg.max_len)  # (M,) per-token weight of each trace
-    return data.rank_micro_batches(step_traces, weight, cfg.micro_batch_tokens, rank, world)
+    return data.rank_micro_batches(step_traces, weight, cfg.micro_batch_tokens, rank, world, cfg.share_prefix)
 
 
 # ---- the run
@@ -379,7 +393,8 @@ def main(cfg: Config) -> None:
         for p in need_old:
             for j, mb in enumerate(micro_batches(p)):
                 mb = mb.to(device)
-                old[p, j] = policy(mb.input_ids, mb.position_ids, mb.sel, mb.targets)[0].cpu()  # (N,)
+                old[p, j] = policy(mb.input_ids, mb.position_ids, mb.sel, mb.targets, mb.family,
+                                  mb.member)[0].cpu()  # (N,)
     policy.train()
     if need_old:
         print0(f"pi_old log-probs for {len(need_old)} steps in {time.perf_counter() - t0:.1f} s")

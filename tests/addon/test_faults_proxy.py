@@ -22,6 +22,7 @@ import pytest
 from eval import rollout, rollout_service
 from eval.services import Mitmdump, ProxyNotRecording, Service, check_proxy, free_port
 from tests.bench.upstream import make_server
+from tests import http
 
 pytestmark = pytest.mark.slow
 
@@ -221,7 +222,7 @@ def test_a_full_disk_under_8_clients_recovers_and_shutdown_while_full_names_what
 def test_deep_json_and_secrets_over_the_wire(upstream, tmp_path):
     with Mitmdump(upstream, tmp_path / "captures", log=tmp_path / "mitmdump.log") as mitm:
         deep = b'{"model": "m", "max_tokens": 5, "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"
-        r = httpx.post(f"{mitm.url}/v1/messages", content=deep, headers={"x-api-key": "sess-deep", "content-type": "application/json"})
+        r = http.post(f"{mitm.url}/v1/messages", content=deep, headers={"x-api-key": "sess-deep", "content-type": "application/json"})
         assert r.status_code == 400 and r.json()["type"] == "error" and "nested too deeply" in r.json()["error"]["message"]
         secret = "sk-proj-WIRESECRET"
         for path, headers in [
@@ -230,7 +231,7 @@ def test_deep_json_and_secrets_over_the_wire(upstream, tmp_path):
             ("/v1/chat/completions", {"x-polar-session": secret}),
         ]:
             body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-            assert httpx.post(f"{mitm.url}{path}", json=body, headers=headers).status_code == 200
+            assert http.post(f"{mitm.url}{path}", json=body, headers=headers).status_code == 200
         wait_for(lambda: check_proxy(mitm.url)["records_written"] == 4, "the records")
     got, torn = records(tmp_path / "captures")
     deep_record = next(r for r in got if r["session_id"] == "sess-deep")

@@ -4,7 +4,6 @@ import json
 import threading
 import time
 
-import httpx
 import openai
 import pytest
 from transformers import AutoTokenizer
@@ -12,6 +11,7 @@ from transformers import AutoTokenizer
 from eval.services import Mitmdump, ReferenceServer, free_port
 from tests.bench.upstream import make_server
 from tests.captures import read_records, sse_events, tokens_of
+from tests import http
 
 pytestmark = pytest.mark.slow
 
@@ -175,8 +175,8 @@ def test_provider_key_never_reaches_disk(proxy):
 
 
 def test_non_json_body_is_forwarded_and_recorded(proxy, scripted):
-    direct = httpx.post(f"{scripted.url}/v1/chat/completions", content=b"not json{", headers={"content-type": "application/json"})
-    proxied = httpx.post(
+    direct = http.post(f"{scripted.url}/v1/chat/completions", content=b"not json{", headers={"content-type": "application/json"})
+    proxied = http.post(
         f"{proxy.url}/v1/chat/completions",
         content=b"not json{",
         headers={"content-type": "application/json", "authorization": "Bearer sess-nonjson"},
@@ -211,7 +211,7 @@ def slow_upstream():
 def test_client_disconnect_mid_stream_keeps_partial_record(slow_upstream, tmp_path):
     body = {"model": "m", "messages": FIRST_TURN, "stream": True, "bench_chunks": 50, "bench_delay_s": 0.05}
     with Mitmdump(slow_upstream, tmp_path / "captures", log=tmp_path / "mitmdump.log") as mitm:
-        with httpx.stream("POST", f"{mitm.url}/v1/chat/completions", json=body, headers={"authorization": "Bearer sess-gone"}) as r:
+        with http.stream("POST", f"{mitm.url}/v1/chat/completions", json=body, headers={"authorization": "Bearer sess-gone"}) as r:
             first = next(r.iter_raw())
         assert first.startswith(b"data: ")
         (record,) = read_records(tmp_path / "captures", expect=1)

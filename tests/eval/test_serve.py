@@ -3,7 +3,6 @@
 import json
 import threading
 
-import httpx
 import openai
 import pytest
 import torch
@@ -11,6 +10,7 @@ from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eval.toolparse import Content, OutputParser, Reasoning
+from tests import http
 
 TOOLS = [
     {
@@ -87,10 +87,10 @@ def collect(stream) -> dict:
 
 
 def test_health_and_models(sampler, tiny_model_dir):
-    assert httpx.get(sampler + "/health").status_code == 200
+    assert http.get(sampler + "/health").status_code == 200
     models = client(sampler).models.list().data
     assert [m.id for m in models] == [str(tiny_model_dir)]
-    assert httpx.get(sampler + "/nope").json()["error"]["type"] == "not_found_error"
+    assert http.get(sampler + "/nope").json()["error"]["type"] == "not_found_error"
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "top_p": 0.9, "seed": 3}])
@@ -125,14 +125,14 @@ def test_stream_matches_non_stream(sampler, tokenizer, sampling):
 def test_seeds_reproduce_and_differ(sampler):
     def ids(seed):
         body = {"messages": USER, "max_tokens": 12, "seed": seed, **TOKEN_FIELDS}
-        return httpx.post(sampler + "/v1/chat/completions", json=body).json()["choices"][0]["token_ids"]
+        return http.post(sampler + "/v1/chat/completions", json=body).json()["choices"][0]["token_ids"]
 
     assert ids(5) == ids(5) != ids(6)
 
 
 def test_logprobs_are_the_models(sampler, model):
     body = {"messages": USER, "max_tokens": 16, "seed": 0, "logprobs": True, "top_logprobs": 3, **TOKEN_FIELDS}
-    answer = httpx.post(sampler + "/v1/chat/completions", json=body).json()
+    answer = http.post(sampler + "/v1/chat/completions", json=body).json()
     prompt, ids = answer["prompt_token_ids"], answer["choices"][0]["token_ids"]
     with torch.no_grad():
         logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]  # (T, V)
@@ -153,7 +153,7 @@ def test_concurrent_requests_do_not_interfere(sampler):
     results: list[list[int]] = []
 
     def run():
-        with httpx.stream("POST", sampler + "/v1/chat/completions", json=body) as r:
+        with http.stream("POST", sampler + "/v1/chat/completions", json=body) as r:
             lines = [line[6:] for line in r.iter_lines() if line.startswith("data: {")]
             results.append([t for line in lines for c in json.loads(line)["choices"] for t in c.get("token_ids", [])])
 
@@ -221,7 +221,7 @@ def test_script_without_session_header_uses_default(scripted):
 
 def test_stop_string_cuts_text_but_keeps_tokens(scripted, tokenizer):
     body = {"messages": USER, "stop": ["look"], **TOKEN_FIELDS}
-    answer = httpx.post(scripted + "/v1/chat/completions", json=body, headers={"x-polar-session": "stop"}).json()
+    answer = http.post(scripted + "/v1/chat/completions", json=body, headers={"x-polar-session": "stop"}).json()
     choice = answer["choices"][0]
     assert choice["finish_reason"] == "stop" and choice["message"]["content"] == "Let me "
     assert tokenizer.decode(choice["token_ids"]).endswith("look")
@@ -229,7 +229,7 @@ def test_stop_string_cuts_text_but_keeps_tokens(scripted, tokenizer):
 
 def test_without_tools_the_markup_is_content(scripted):
     body = {"messages": USER}
-    answer = httpx.post(scripted + "/v1/chat/completions", json=body, headers={"x-polar-session": "no-tools"}).json()
+    answer = http.post(scripted + "/v1/chat/completions", json=body, headers={"x-polar-session": "no-tools"}).json()
     message = answer["choices"][0]["message"]
     assert message["tool_calls"] == [] and message["content"].endswith("</tool_call>")
     assert answer["choices"][0]["finish_reason"] == "stop"
@@ -237,7 +237,7 @@ def test_without_tools_the_markup_is_content(scripted):
 
 def test_unknown_fields_are_ignored(sampler):
     body = {"messages": USER, "max_tokens": 2, "chat_template_kwargs": {}, "foo": [1], "logprobs": False}
-    answer = httpx.post(sampler + "/v1/chat/completions", json=body).json()
+    answer = http.post(sampler + "/v1/chat/completions", json=body).json()
     assert "prompt_token_ids" not in answer and "token_ids" not in answer["choices"][0]
     assert answer["choices"][0]["logprobs"] is None and answer["usage"]["completion_tokens"] == 2
 
@@ -267,7 +267,7 @@ def test_unknown_fields_are_ignored(sampler):
     ],
 )
 def test_bad_requests_get_openai_errors(sampler, body, param):
-    r = httpx.post(sampler + "/v1/chat/completions", json=body)
+    r = http.post(sampler + "/v1/chat/completions", json=body)
     assert r.status_code == 400
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
@@ -275,7 +275,7 @@ def test_bad_requests_get_openai_errors(sampler, body, param):
 
 
 def test_invalid_json_and_sdk_error(sampler):
-    r = httpx.post(sampler + "/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"})
+    r = http.post(sampler + "/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError) as raised:
         client(sampler).chat.completions.create(model="tiny", messages=USER, n=2)
@@ -284,12 +284,12 @@ def test_invalid_json_and_sdk_error(sampler):
 
 def test_chunked_request_body_and_dropped_stream(sampler):
     body = json.dumps({"messages": USER, "max_tokens": 3, **TOKEN_FIELDS}).encode()
-    r = httpx.post(sampler + "/v1/chat/completions", content=iter([body[:10], body[10:]]))  # Transfer-Encoding: chunked
+    r = http.post(sampler + "/v1/chat/completions", content=iter([body[:10], body[10:]]))  # Transfer-Encoding: chunked
     assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3
     long = {"messages": USER, "max_tokens": 200, "stream": True}
-    with httpx.stream("POST", sampler + "/v1/chat/completions", json=long) as r:
+    with http.stream("POST", sampler + "/v1/chat/completions", json=long) as r:
         next(r.iter_lines())  # hang up after the first event; the server stops generating and keeps serving
-    assert httpx.post(sampler + "/v1/chat/completions", json={"messages": USER, "max_tokens": 1}).status_code == 200
+    assert http.post(sampler + "/v1/chat/completions", json={"messages": USER, "max_tokens": 1}).status_code == 200
 
 
 @pytest.fixture(scope="module")
@@ -313,15 +313,15 @@ def test_lora_adapters_serve_as_vllm_does(reference_server, tiny_model_dir, adap
     body = {"messages": USER, "tools": TOOLS, "logprobs": True, **TOKEN_FIELDS}
 
     def logprobs(model, session):
-        answer = httpx.post(url + "/v1/chat/completions", json={**body, "model": model}, headers={"x-polar-session": session})
+        answer = http.post(url + "/v1/chat/completions", json={**body, "model": model}, headers={"x-polar-session": session})
         answer.raise_for_status()
         choice = answer.json()["choices"][0]
         return answer.json()["prompt_token_ids"], choice["token_ids"], [e["logprob"] for e in choice["logprobs"]["content"]]
 
     prompt, ids, base = logprobs("tiny", "base")
-    loaded = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "step-1", "lora_path": str(adapter_dir)})
+    loaded = http.post(url + "/v1/load_lora_adapter", json={"lora_name": "step-1", "lora_path": str(adapter_dir)})
     assert loaded.status_code == 200 and "added successfully" in loaded.text
-    assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]][1:] == ["step-1"]
+    assert [m["id"] for m in http.get(url + "/v1/models").json()["data"]][1:] == ["step-1"]
     _, same_ids, tuned = logprobs("step-1", "tuned")  # the script replays the same answer: same ids
     _, _, base_again = logprobs("tiny", "base-again")
     assert same_ids == ids and base_again == pytest.approx(base, abs=1e-5)
@@ -333,9 +333,9 @@ def test_lora_adapters_serve_as_vllm_does(reference_server, tiny_model_dir, adap
     expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids)[:, None])[:, 0]  # (T,)
     assert torch.allclose(torch.tensor(tuned), expected, atol=1e-4)
     assert not torch.allclose(torch.tensor(tuned), torch.tensor(base), atol=1e-3)
-    again = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "step-1", "lora_path": str(adapter_dir)})
+    again = http.post(url + "/v1/load_lora_adapter", json={"lora_name": "step-1", "lora_path": str(adapter_dir)})
     assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
-    gone = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "step-1"})
-    assert gone.status_code == 200 and len(httpx.get(url + "/v1/models").json()["data"]) == 1
-    bad = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tiny_model_dir)})
+    gone = http.post(url + "/v1/unload_lora_adapter", json={"lora_name": "step-1"})
+    assert gone.status_code == 200 and len(http.get(url + "/v1/models").json()["data"]) == 1
+    bad = http.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tiny_model_dir)})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"

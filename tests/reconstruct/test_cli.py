@@ -63,3 +63,10 @@ def test_no_usable_record_exits_non_zero_and_writes_nothing(captures, tmp_path, 
     assert main([str(captures.plain_dir), "-o", str(out), "--no-progress"]) == 2
     assert "6 missing ids (calls recorded without token ids need --tokenizer)" in capsys.readouterr().err
     assert not out.exists() and not (tmp_path / "t.stats.json").exists()
+    # --allow-empty is for runs that made no call at all, never for lines that hold nothing usable
+    assert main([str(tmp_path / "garbage"), "-o", str(out), "--no-progress", "--allow-empty"]) == 2
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "captures.jsonl").write_bytes(b"")
+    assert main([str(tmp_path / "empty"), "-o", str(out), "--no-progress"]) == 2
+    assert main([str(tmp_path / "empty"), "-o", str(out), "--no-progress", "--allow-empty"]) == 0
+    assert schema.read(out).height == 0

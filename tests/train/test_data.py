@@ -3,6 +3,7 @@
 import numpy as np
 import polars as pl
 import pytest
+import torch
 
 from reconstruct import schema
 from tests.train.helpers import groups, trace, write
@@ -179,3 +180,44 @@ def test_load_can_keep_sessions_without_reward_or_task_for_sft(tmp_path):
     assert data.load([path]).session_ids == ["a"]  # the default is GRPO's: both required
     nothing = write(tmp_path / "n.parquet", [trace(reward=None, task=None)])
     assert data.load([nothing], require_reward=False, require_task=False).session_ids == ["s0"]
+
+
+def test_families_share_a_prefix_only_where_it_saves_tokens():
+    def t(*tokens: int) -> data.Trace:
+        return data.Trace(session=0, tokens=np.array(tokens), n_prompt=1, trained=np.array([0]),
+                          behav_logp=np.zeros(1, dtype=np.float32), adv=1.0)  # fmt: skip
+
+    traces = [t(1, 2, 3, 4, 5), t(9, 9), t(1, 2, 3, 4, 6, 7), t(1, 2, 8), t(1, 2, 3, 4, 5, 0)]
+    # [1, 2, 3, 4] for 0, 2 and 4 saves 8; taking 3 in too would cut it to [1, 2]: 6
+    assert data.families(traces, budget=100) == [(4, [0, 4, 2]), (3, [3]), (2, [1])]  # in token order
+    # the budget holds the prefix once plus every tail
+    assert data.families(traces, budget=8) == [(5, [0, 4]), (2, [2, 3]), (2, [1])]
+    with pytest.raises(ValueError, match="over the budget"):
+        data.families(traces, budget=5)
+
+
+def test_collate_shared_packs_a_prefix_once_and_masks_the_other_tails():
+    a = data.Trace(session=0, tokens=np.array([1, 2, 3, 4]), n_prompt=2, trained=np.array([1, 2]),
+                   behav_logp=np.array([-1.0, -2.0], dtype=np.float32), adv=0.5)  # fmt: skip
+    b = data.Trace(session=1, tokens=np.array([1, 2, 7]), n_prompt=2, trained=np.array([1]),
+                   behav_logp=np.array([-3.0], dtype=np.float32), adv=-0.5)  # fmt: skip
+    c = data.Trace(session=2, tokens=np.array([5, 6]), n_prompt=1, trained=np.array([0]),
+                   behav_logp=np.array([-4.0], dtype=np.float32), adv=1.0)  # fmt: skip
+    mb = data.collate_shared([(2, [a, b]), (2, [c])], [0.25, 0.125, 1.0])
+    assert mb.input_ids.tolist() == [[1, 2, 3, 4, 7, 5, 6]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1]]
+    # a's position 1 and b's position 1 are the shared token 2 (row 1); a's position 2 is row 2
+    assert mb.sel.tolist() == [1, 2, 1, 5]
+    assert mb.targets.tolist() == [3, 4, 7, 6]
+    assert mb.weight.tolist() == [0.25, 0.25, 0.125, 1.0]
+    assert mb.session.tolist() == [0, 0, 1, 2]
+    allowed = data.attention_mask(mb.family, mb.member, torch.float32)[0, 0] == 0
+    assert allowed.int().tolist() == [
+        [1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0],  # a's tail: the prefix and itself
+        [1, 1, 1, 1, 0, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0],  # b's tail: the prefix, not a's tail
+        [0, 0, 0, 0, 0, 1, 0],  # another family: nothing of the first
+        [0, 0, 0, 0, 0, 1, 1],
+    ]

@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 import safetensors.torch
@@ -20,6 +19,7 @@ from accelerate import Accelerator
 
 from tests.train.helpers import groups, trace, write
 from train import data, grpo, runtime, sft
+from tests import http
 
 PEFT_WARNING = "ignore:.*is_gradient_checkpointing:FutureWarning"  # peft reads a property transformers 5 deprecates
 ROOT = Path(__file__).resolve().parents[2]
@@ -188,7 +188,7 @@ def test_the_adapter_serves_and_raises_the_served_log_probs_of_the_taught_answer
     messages = [{"role": "user", "content": "What is the answer?"}]
 
     def served(model: str, session: str) -> tuple[list[int], list[int], list[float]]:
-        answer = httpx.post(url + "/v1/chat/completions", headers={"x-polar-session": session},
+        answer = http.post(url + "/v1/chat/completions", headers={"x-polar-session": session},
                             json={"messages": messages, "model": model, "logprobs": True, "return_token_ids": True})
         answer.raise_for_status()  # fmt: skip
         choice = answer.json()["choices"][0]
@@ -201,7 +201,7 @@ def test_the_adapter_serves_and_raises_the_served_log_probs_of_the_taught_answer
                       epochs=2)  # fmt: skip
     sft.main(cfg)
 
-    loaded = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "sft", "lora_path": str(cfg.output)})
+    loaded = http.post(url + "/v1/load_lora_adapter", json={"lora_name": "sft", "lora_path": str(cfg.output)})
     assert loaded.status_code == 200, loaded.text
     _, same_ids, tuned = served("sft", "tuned")
     assert same_ids == ids
