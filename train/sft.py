@@ -88,6 +88,9 @@ class Config:
     """Tokens per trace (prompt + response); a longer trace loses its response end."""
     micro_batch_tokens: int = 32768
     """Tokens per forward pass: traces are packed into one row up to this budget, without padding."""
+    share_prefix: bool = False
+    """Pack traces that begin alike with that prefix computed once (grpo.py's --share-prefix: the same loss to
+    float noise, a (T, T) attention mask per micro-batch; sdpa or eager attention)."""
     logprob_chunk: int = 512
     """Positions projected to the vocabulary at once: (chunk, vocab) logits are the most that ever exist."""
     gradient_checkpointing: bool = True
@@ -137,6 +140,9 @@ class Config:
             raise ConfigError("--max-steps must be >= 1 (or None: all epochs)")
         if self.max_len > self.micro_batch_tokens:
             raise ConfigError(f"--max-len {self.max_len} must fit --micro-batch-tokens {self.micro_batch_tokens}")
+        if self.share_prefix and self.attn_implementation not in (None, "sdpa", "eager"):
+            raise ConfigError(f"--share-prefix needs --attn-implementation sdpa or eager (a 4D attention mask), "
+                              f"not {self.attn_implementation}")  # fmt: skip
         if self.min_reward is not None and not math.isfinite(self.min_reward):
             raise ConfigError(f"--min-reward must be finite, or None to keep every session; got {self.min_reward}")
         if self.lr <= 0 or self.warmup_steps < 0 or self.weight_decay < 0 or not 0 <= self.min_lr_frac <= 1:
@@ -176,7 +182,7 @@ def rank_micro_batches(step_traces: list[Trace], aggregate: losses.Aggregation, 
     sessions = np.array([t.session for t in step_traces])  # (M,)
     n_trained = np.array([len(t.trained) for t in step_traces])  # (M,)
     weight = aggregate(sessions, n_trained, cfg.max_len)  # (M,) per-token weight: sums to 1 over the step
-    return data.rank_micro_batches(step_traces, weight, cfg.micro_batch_tokens, rank, world)
+    return data.rank_micro_batches(step_traces, weight, cfg.micro_batch_tokens, rank, world, cfg.share_prefix)
 
 
 def accumulate(accelerator: Accelerator, policy: torch.nn.Module, mb: MicroBatch, stats: runtime.StepStats) -> float:
@@ -185,8 +191,8 @@ def accumulate(accelerator: Accelerator, policy: torch.nn.Module, mb: MicroBatch
     def token_loss(logp: torch.Tensor, sl: slice) -> torch.Tensor:  # (c,) weighted NLL of tokens sl
         return -mb.weight[sl] * logp
 
-    logp, entropy, loss = policy(mb.input_ids, mb.position_ids, mb.sel, mb.targets, with_entropy=True,
-                                 token_loss=token_loss)  # fmt: skip  # (N,), (N,), ()
+    logp, entropy, loss = policy(mb.input_ids, mb.position_ids, mb.sel, mb.targets, mb.family, mb.member,
+                                 with_entropy=True, token_loss=token_loss)  # fmt: skip  # (N,), (N,), ()
     # The weights are global (they sum to 1 over every rank's tokens), while DDP/FSDP/DeepSpeed average gradients
     # over ranks: scale back up so the step's gradient is that of the whole batch.
     accelerator.backward(loss * accelerator.num_processes)

@@ -41,8 +41,8 @@ def demo_command(model: Path, tmp: Path) -> list[str]:
     script.write_text(json.dumps(SCRIPT))
     return [sys.executable, "-m", "eval.demo", "--model", str(model), "--script", str(script), "--teach", TEACH,
             "--tasks", TASK, "--heldout", HELDOUT, "--samples", str(SAMPLES), "--heldout-samples",
-            str(HELDOUT_SAMPLES), "--rounds", "1", "--sft-steps", "2", "--sft-lr", "0.01", "--lr", "0.005", "--max-tokens", "None",
-            "--threads", "1", "--out", str(tmp / "runs")]  # fmt: skip
+            str(HELDOUT_SAMPLES), "--rounds", "1", "--sft-steps", "2", "--sft-lr", "0.01", "--lr", "0.005",
+            "--grpo-steps", "1", "--max-tokens", "None", "--threads", "1", "--out", str(tmp / "runs")]  # fmt: skip
 
 
 def fast_demo_run(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Path:

@@ -66,11 +66,13 @@ ROWS = [  # s0 is cut into two traces; s1 loses its last token to max_len 10; s2
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("loss_agg", ["token_mean", "session_mean"])
-def test_step_loss_is_the_nll_of_taught_tokens_by_hand(tmp_path, tiny_model_dir, loss_agg):
-    """Masks in the middle and at the end, truncation, a session in two traces, several micro-batches."""
+@pytest.mark.parametrize(("loss_agg", "share_prefix"),
+                         [("token_mean", False), ("session_mean", False), ("token_mean", True)])  # fmt: skip
+def test_step_loss_is_the_nll_of_taught_tokens_by_hand(tmp_path, tiny_model_dir, loss_agg, share_prefix):
+    """Masks in the middle and at the end, truncation, a session in two traces, several micro-batches, and the
+    traces of s0 packed with their shared 7 tokens once."""
     cfg = make_config(tmp_path, tiny_model_dir, ROWS, max_len=10, micro_batch_tokens=12, logprob_chunk=3,
-                      loss_agg=loss_agg)  # fmt: skip
+                      loss_agg=loss_agg, share_prefix=share_prefix)  # fmt: skip
     policy = grpo.load_policy(cfg, "no")
     for name, p in policy.named_parameters():
         if "lora_B" in name:
@@ -80,6 +82,7 @@ def test_step_loss_is_the_nll_of_taught_tokens_by_hand(tmp_path, tiny_model_dir,
     assert cut["truncated"] == 1
     mbs = sft.rank_micro_batches(traces, sft.AGGREGATIONS[loss_agg], cfg, rank=0, world=1)
     assert len(mbs) > 1
+    assert sum(mb.input_ids.shape[1] for mb in mbs) == sum(len(t.tokens) for t in traces) - 7 * share_prefix
     total = sum(sft.accumulate(Accelerator(), policy, mb, runtime.StepStats()) for mb in mbs)
 
     by_session: dict[str, list[float]] = {}
@@ -90,7 +93,7 @@ def test_step_loss_is_the_nll_of_taught_tokens_by_hand(tmp_path, tiny_model_dir,
     nll = [x for s in by_session.values() for x in s]
     assert len(nll) == 3 + 2 + 5 + 1
     expected = np.mean(nll) if loss_agg == "token_mean" else np.mean([np.mean(s) for s in by_session.values()])
-    assert total == pytest.approx(expected, rel=1e-5)
+    assert total == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
 def test_tokens_after_the_last_taught_one_change_neither_loss_nor_gradient(tmp_path, tiny_model_dir):
