@@ -280,7 +280,7 @@ class Polar:
                 session_id="anonymous", session_source="anonymous", api=api, upstream=self.upstream,
                 method=flow.request.method, path=path,
                 t_start=flow.request.timestamp_start or time.time(), request_headers={},
-            )  # fmt: skip
+            )
             flow.metadata[METADATA_KEY] = ex
         ex.error = {"kind": "request" if status == 400 else "addon", "message": message}
 

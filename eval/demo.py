@@ -124,9 +124,9 @@ class Config:
 
     def __post_init__(self) -> None:
         if min(self.samples, self.heldout_samples, self.concurrency, self.threads, self.max_turns, self.sft_steps,
-               self.grpo_steps) < 1 or self.rounds < 0:  # fmt: skip
+               self.grpo_steps) < 1 or self.rounds < 0:
             raise ValueError("--samples, --heldout-samples, --concurrency, --threads, --max-turns, --sft-steps and "
-                             "--grpo-steps must be >= 1, --rounds >= 0")  # fmt: skip
+                             "--grpo-steps must be >= 1, --rounds >= 0")
         if self.samples < 2:
             raise ValueError("--samples must be >= 2: GRPO compares the samples of a task with each other")
         if not self.tasks or not self.teach:
@@ -182,7 +182,7 @@ class Loop:
     def done(self, title: str, started: float, wrote: list[Path], commands: list[str]) -> None:
         seconds = time.monotonic() - started
         self.phases.append({"phase": title, "seconds": round(seconds, 1), "commands": commands,
-                            "wrote": [shown(p) for p in wrote]})  # fmt: skip
+                            "wrote": [shown(p) for p in wrote]})
         for path in wrote:
             console.print(f"[green]wrote[/] {shown(path)}", highlight=False)
         console.print(f"[dim]{title}: {seconds:.0f} s[/]")
@@ -195,11 +195,11 @@ def run_processes(*cmds: list[str | Path], logs: list[Path | None] | None = None
     try:
         for cmd, log in zip(cmds, logs or [None] * len(cmds), strict=True):
             console.print(f"$ {command_line(cmd)}" + (f"  > {shown(log)}" if log else ""), style="dim", markup=False,
-                          highlight=False, soft_wrap=True)  # fmt: skip
+                          highlight=False, soft_wrap=True)
             out = open(log, "w") if log else None  # noqa: SIM115 (closed with the process below)
             # A session of its own: the terminal's Ctrl-C reaches only the demo, which then stops the tree in order.
             procs.append((cmd, subprocess.Popen([str(p) for p in cmd], cwd=ROOT, stdin=subprocess.DEVNULL, stdout=out,
-                                                stderr=out, start_new_session=True), out))  # fmt: skip
+                                                stderr=out, start_new_session=True), out))
         codes = [proc.wait() for _, proc, _ in procs]
     except BaseException:
         for _, proc, _ in procs:
@@ -232,7 +232,7 @@ def load_adapter(server_url: str, name: str, adapter: Path) -> None:
     """vLLM's runtime LoRA route: requests for model ``name`` now use the adapter."""
     body = json.dumps({"lora_name": name, "lora_path": str(adapter)}).encode()
     request = urllib.request.Request(f"{server_url}/v1/load_lora_adapter", data=body,
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+                                     headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=300) as response:
         response.read()
 
@@ -241,7 +241,7 @@ def accelerate(script: str, config: Config, *args: str | Path) -> list[str | Pat
     """A trainer launch; callers pass --no-gradient-checkpointing: a 135M model's activations fit in memory, and
     recomputing them costs a third more CPU time."""
     return [Path(PY).parent / "accelerate", "launch", "--config_file", ROOT / "train/configs/cpu.yaml",
-            "--num_cpu_threads_per_process", str(config.threads), ROOT / "train" / script, *args]  # fmt: skip
+            "--num_cpu_threads_per_process", str(config.threads), ROOT / "train" / script, *args]
 
 
 class Stages:
@@ -251,17 +251,17 @@ class Stages:
         self.loop, self.config, self.model = loop, config, model
 
     def rollout_cmd(self, tasks: tuple[str, ...], samples: int, out: Path, model: str, proxy: str,
-                    capped: bool) -> list[str | Path]:  # fmt: skip
+                    capped: bool) -> list[str | Path]:
         cmd = [PY, "-m", "eval", "rollout", "--tasks", "toy", "--instance-ids", *tasks, "--harness",
                self.config.harness, "--samples", str(samples), "--out", out, "--model", model, "--timeout",
                str(self.config.session_timeout), "--concurrency", str(self.config.concurrency),
-               "--proxy", proxy]  # fmt: skip
+               "--proxy", proxy]
         cmd += ["--max-turns", str(self.config.max_turns)] if self.config.harness == "mini" else []
         capped = capped and self.config.max_tokens is not None
         return cmd + (["--max-tokens", str(self.config.max_tokens)] if capped else [])
 
     def run(self, server: ReferenceServer, stage: str, model: str, groups: dict[str, tuple[tuple[str, ...], int]],
-            title: str) -> None:  # fmt: skip
+            title: str) -> None:
         """Roll out each group of (tasks, samples) side by side, then grade them all and reconstruct the first."""
         run = self.loop.run
         started = self.loop.header(f"{title}: {self.config.harness} as model {model!r}")
@@ -271,7 +271,7 @@ class Stages:
                 if not tasks:
                     continue
                 proxy = stack.enter_context(Mitmdump(server.url, run / "captures" / folder,
-                                                     log=run / "logs" / f"mitmdump-{folder}.log"))  # fmt: skip
+                                                     log=run / "logs" / f"mitmdump-{folder}.log"))
                 cmds.append(self.rollout_cmd(tasks, samples, run / folder, model, proxy.url, capped=stage != "teacher"))
                 logs.append(None if i == 0 else run / "logs" / f"rollout-{folder}.log")  # one live progress bar
                 wrote.append(run / folder / "sessions.parquet")
@@ -281,13 +281,13 @@ class Stages:
         main = run / folders[0]
         trajectories = main / "trajectories.parquet"
         reconstruct = [PY, "-m", "reconstruct", run / "captures" / folders[0], "-o", trajectories, "--tokenizer",
-                       self.model, "--sessions", main / "sessions.parquet", "--no-progress"]  # fmt: skip
+                       self.model, "--sessions", main / "sessions.parquet", "--no-progress"]
         join = [PY, "-m", "eval", "join", trajectories, main, "-o", trajectories]
         for cmd in [*score, reconstruct, join]:
             run_processes(cmd)
         self.loop.done(stage, started, [*wrote, *(run / f / "rewards.parquet" for f in folders), trajectories],
                        [command_line(c).replace(server.url, "http://127.0.0.1:8000") for c in
-                        [*cmds, *score, reconstruct, join]])  # fmt: skip
+                        [*cmds, *score, reconstruct, join]])
 
 
 def main(config: Config) -> int:
@@ -300,7 +300,7 @@ def main(config: Config) -> int:
     loop = Loop(run, total=6 + 2 * config.rounds)
     console.print(f"run folder {shown(run)}: {config.harness}; SFT on {len(config.teach)} teacher sessions, then "
                   f"{config.rounds} GRPO round(s) on {len(config.tasks)} tasks x {config.samples} samples; "
-                  f"{len(config.heldout)} held-out task(s) x {config.heldout_samples}", highlight=False)  # fmt: skip
+                  f"{len(config.heldout)} held-out task(s) x {config.heldout_samples}", highlight=False)
 
     t0 = loop.header("model")
     model = (config.model or build_smollm2(ROOT / "models" / "smollm2")).resolve()
@@ -319,7 +319,7 @@ def main(config: Config) -> int:
                      str(config.sft_lr), "--min-lr-frac", "1", "--lora-r", str(config.lora_r), "--lora-alpha",
                      str(2 * config.lora_r), "--max-len", str(config.max_len), "--micro-batch-tokens",
                      str(2 * config.max_len), "--share-prefix", "--seed", str(config.seed),
-                     "--no-gradient-checkpointing")  # fmt: skip
+                     "--no-gradient-checkpointing")
     t0 = loop.header("SFT on the teacher sessions")
     run_processes(sft)
     loop.done("train sft", t0, [adapters / "sft"], [command_line(sft)])
@@ -338,7 +338,7 @@ def main(config: Config) -> int:
                         "--micro-batch-tokens", str(2 * config.max_len), "--share-prefix", "--lr", str(config.lr),
                         "--scale-by-std" if config.scale_by_std else "--no-scale-by-std", "--seed",
                         str(config.seed + k), "--save-every", "0", "--allow-no-signal",
-                        "--no-gradient-checkpointing")  # fmt: skip
+                        "--no-gradient-checkpointing")
                     t0 = loop.header(f"GRPO round {k - 1} on the {previous} rollouts")
                     run_processes(grpo)
                     loop.done(f"train {stage}", t0, [adapters / stage], [command_line(grpo)])
@@ -346,12 +346,12 @@ def main(config: Config) -> int:
             name = model.name if stage == "base" else stage
             stages.run(server, stage, name, {stage: (config.tasks, config.samples),
                                              f"{stage}-heldout": (config.heldout, config.heldout_samples)},
-                       f"stage {stage}")  # fmt: skip
+                       f"stage {stage}")
             previous = stage
 
     loop.header("summary")
     record = {"model": str(model), "config": _plain(config), "phases": loop.phases,
-              "seconds": round(time.monotonic() - started, 1)}  # fmt: skip
+              "seconds": round(time.monotonic() - started, 1)}
     numbers = demo_report.write_summary(run, record)
     console.print(f"[green]wrote[/] {shown(run / 'summary.json')}, {shown(run / 'report.html')}", highlight=False)
     console.print(demo_report.summary_table(numbers))
@@ -359,7 +359,7 @@ def main(config: Config) -> int:
     console.print(numbers["note"], highlight=False)
     console.print(f"\n[bold]Rerun any phase alone[/] (from the repository root; the commands of each are in "
                   f"{shown(run / 'summary.json')}), then recount: python -m eval.demo_report {shown(run)}",
-                  highlight=False, soft_wrap=True)  # fmt: skip
+                  highlight=False, soft_wrap=True)
     return 0
 
 
@@ -380,5 +380,5 @@ if __name__ == "__main__":
         sys.exit(130)
     except PhaseFailed as e:
         console.print(f"[red]a phase failed[/] ({e}); its output is above, service logs in the run folder's logs/",
-                      highlight=False, soft_wrap=True)  # fmt: skip
+                      highlight=False, soft_wrap=True)
         sys.exit(1)

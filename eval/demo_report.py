@@ -124,7 +124,7 @@ def compare(before: dict[str, Any], after: dict[str, Any], what: str) -> dict[st
     delta = (after["pass_rate"] or 0.0) - (before["pass_rate"] or 0.0)
     verdict = ("improved" if delta > 0 else "worse") if p < ALPHA else "no significant change"
     return {"what": what, "from": before["stage"], "to": after["stage"], "delta": round(delta, 4),
-            "p_value": p, "verdict": f"{verdict} (p = {p:.2g})"}  # fmt: skip
+            "p_value": p, "verdict": f"{verdict} (p = {p:.2g})"}
 
 
 # ---- numbers
@@ -135,7 +135,7 @@ def _graded(run_dir: Path, stage: str) -> dict[str, Any]:
     rewards_df = read_rewards(run_dir)
     resolved, graded = int(rewards_df["resolved"].fill_null(False).sum()), rewards_df.height
     per_task = (rewards_df.group_by("task_id", maintain_order=True)
-                .agg(graded=pl.len(), resolved=pl.col("resolved").fill_null(False).sum()).sort("task_id"))  # fmt: skip
+                .agg(graded=pl.len(), resolved=pl.col("resolved").fill_null(False).sum()).sort("task_id"))
     return {
         "stage": stage,
         "graded": graded,
@@ -208,7 +208,7 @@ def summary(run: Path) -> dict[str, Any]:
         tests.append(compare(stages["base"], stages[grpo[-1]], "the whole loop: last round against the base model"))
     adapters = [a for a in ("sft", *grpo) if (run / "adapters" / a / "metrics.jsonl").is_file()]
     return {"run": str(run), "stages": stages, "order": [m["stage"] for m in measured], "tests": tests,
-            "train": {a: train_numbers(run, a) for a in adapters}}  # fmt: skip
+            "train": {a: train_numbers(run, a) for a in adapters}}
 
 
 def _rate(numbers: dict[str, Any] | None) -> str:
@@ -229,14 +229,14 @@ def note(numbers: dict[str, Any]) -> str:
     if grpo:
         t = tests[f"sft>{grpo[-1]}"]
         parts.append(f"GRPO's own gain ({len(grpo)} round(s), {t['from']} -> {t['to']}, {t['delta']:+.0%}): "
-                     f"{t['verdict']}.")  # fmt: skip
+                     f"{t['verdict']}.")
         no_signal = [a for a, tr in numbers["train"].items() if a.startswith("grpo") and tr["steps"] == 0]
         if no_signal:
             parts.append(f"{', '.join(no_signal)}: no group had reward variance, so that round trained nothing.")
     heldout = [s for s in order if stages[s].get("heldout")]
     if heldout:
         parts.append("Held-out tasks (never trained on), as they came out: "
-                     + ", ".join(f"{s} {_rate(stages[s]['heldout'])}" for s in heldout) + ".")  # fmt: skip
+                     + ", ".join(f"{s} {_rate(stages[s]['heldout'])}" for s in heldout) + ".")
     return " ".join(parts)
 
 
@@ -304,7 +304,7 @@ def rewards(run: Path) -> pl.DataFrame:
         for folder, split in ((stage, split), (f"{stage}-heldout", "held-out")):
             if (run / folder / "rewards.parquet").is_file():
                 frames.append(read_rewards(run / folder).with_columns(pl.lit(stage).alias("stage"),
-                                                                      pl.lit(split).alias("split")))  # fmt: skip
+                                                                      pl.lit(split).alias("split")))
     return (
         pl.concat(frames)
         .group_by("stage", "split", "task_id", maintain_order=True)
@@ -395,7 +395,7 @@ def pass_rate_svg(numbers: dict[str, Any]) -> str:
             y_hi, y_lo = top + plot_h * (1 - hi), top + plot_h * (1 - lo)
             parts.append(f'<line x1="{x}" x2="{x}" y1="{y_hi:.1f}" y2="{y_lo:.1f}" stroke="{color}" stroke-width="2"/>')
             parts.append(f'<circle cx="{x}" cy="{y:.1f}" r="4" fill="{color}"><title>{escape(stage)} {split}: '
-                         f'{n["resolved"]}/{n["graded"]} [{lo:.2f}, {hi:.2f}]</title></circle>')  # fmt: skip
+                         f'{n["resolved"]}/{n["graded"]} [{lo:.2f}, {hi:.2f}]</title></circle>')
         if len(points) > 1:
             parts.append(f'<polyline points="{" ".join(points)}" fill="none" stroke="{color}" stroke-dasharray="3,3"/>')
     for i, stage in enumerate(order):
@@ -417,7 +417,7 @@ def metrics_svg(per_step: list[dict[str, Any]]) -> str:
         lo, hi = min(v for _, v in points), max(v for _, v in points)
         span, steps = (hi - lo) or 1.0, max(s for s, _ in points)
         xy = [(pad + (w - 2 * pad) * (s - 1) / max(steps - 1, 1), h - pad - (h - 2 * pad) * (v - lo) / span)
-              for s, v in points]  # fmt: skip
+              for s, v in points]
         x0 = len(panels) * (w + 10)
         dots = "".join(f'<circle cx="{x0 + x:.1f}" cy="{y:.1f}" r="3" fill="#4e79a7"/>' for x, y in xy)
         line = " ".join(f"{x0 + x:.1f},{y:.1f}" for x, y in xy)
@@ -447,7 +447,7 @@ def report_html(numbers: dict[str, Any]) -> str:
         f"<h3>{escape(a)}</h3>" + (metrics_svg(tr["per_step"]) if tr["per_step"] else
                                    "<p>No optimizer step ran (no group had reward variance).</p>")
         for a, tr in numbers["train"].items()
-    )  # fmt: skip
+    )
     rerun = "".join(
         f"<li>{escape(p['phase'])} ({p['seconds']:.0f} s)<pre>{escape(chr(10).join(p['commands']))}</pre></li>"
         for p in numbers.get("phases", [])

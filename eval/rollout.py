@@ -201,13 +201,13 @@ def roll_out(job: Job, args: Args, work_root: Path, logs: Path) -> dict[str, Any
         try:
             repo = checkout(job.task, work / "repo")  # at base_commit: checkout checks it
             common = {"workspace": repo, "session_id": job.session_id, "model": args.model, "timeout": args.timeout,
-                      "tools": args.tools, "max_tokens": args.max_tokens, "home": work / "home"}  # fmt: skip
+                      "tools": args.tools, "max_tokens": args.max_tokens, "home": work / "home"}
             if args.transparent:
                 assert args.ca_cert is not None
                 run = run_transparent(args.harness, instruction(job.task), proxy_url=args.proxy, ca_cert=args.ca_cert, **common)
             else:
                 run = run_harness(args.harness, instruction(job.task), base_url=args.proxy, command=args.command,
-                                  max_turns=args.max_turns, **common)  # fmt: skip
+                                  max_turns=args.max_turns, **common)
         except Exception as e:  # checkout or launch: the harness never ran
             row["error"] = f"{type(e).__name__}: {e}"[-ERROR_TAIL:]
             (log_dir / "setup_error.txt").write_text(traceback.format_exc())

@@ -220,7 +220,7 @@ def run_script(script: Path, repo: Path, env: dict[str, str], timeout: float, lo
         proc = subprocess.Popen(
             ["bash", str(script)], cwd=repo, env=env, stdin=subprocess.DEVNULL, stdout=out,
             stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+        )
         try:
             proc.wait(timeout=timeout)
             return False
@@ -249,7 +249,7 @@ def grade_docker(
     try:
         spec = make_test_spec(validate(task, "task"))
         result = run_instance(spec, {"instance_id": spec.instance_id, "model_name_or_path": name,
-                                     "model_patch": patch}, client, run_id, int(timeout))  # fmt: skip
+                                     "model_patch": patch}, client, run_id, int(timeout))
     except Exception as e:  # a broken instance or a container failure costs this session only
         (log_dir / "eval.log").write_text(f"eval_error: {type(e).__name__}: {e}\n{traceback.format_exc()}")
         return _ungraded("eval_error")
@@ -275,13 +275,13 @@ def load_jobs(args: Args) -> tuple[Path, dict[str, dict], list[Job]]:
             Job(row["session_id"], row["task_id"], row["sample_id"], row["harness"], row["patch"] or "",
                 row["status"] in HARNESS_FAILED)
             for row in sessions.iter_rows(named=True)
-        ]  # fmt: skip
+        ]
         return args.run_dir, {t["instance_id"]: t for t in tasks}, jobs
     assert args.tasks is not None and args.out is not None  # __post_init__
     if args.gold:
         tasks = load_tasks(args.tasks, check=False)
         predictions = [{"instance_id": t["instance_id"], "model_name_or_path": "gold", "model_patch": t["patch"]}
-                       for t in tasks]  # fmt: skip
+                       for t in tasks]
     else:
         predictions = read_predictions(args.predictions)
         tasks = load_tasks(args.tasks, sorted({p["instance_id"] for p in predictions}), check=False)
@@ -316,7 +316,7 @@ def main(args: Args) -> int:
     if args.runner == "docker":
         import docker
 
-        no_daemon = "python -m eval score: --runner docker needs a running Docker daemon and none answered ({}). Grade with --runner local, or start Docker."  # fmt: skip
+        no_daemon = "python -m eval score: --runner docker needs a running Docker daemon and none answered ({}). Grade with --runner local, or start Docker."
         if not (os.environ.get("DOCKER_HOST") or Path("/var/run/docker.sock").exists()):
             # Asked without an endpoint, the docker client leaves a socket behind for the interpreter to complain of.
             print(no_daemon.format("no DOCKER_HOST and no /var/run/docker.sock"), file=sys.stderr)
@@ -329,7 +329,7 @@ def main(args: Args) -> int:
 
         def run(job: Job, task: dict, log_dir: Path) -> Grade:
             return grade_docker(task, job.patch, timeout=args.timeout, log_dir=log_dir, session_id=job.session_id,
-                                client=client, run_id=out_dir.name)  # fmt: skip
+                                client=client, run_id=out_dir.name)
     else:
 
         def run(job: Job, task: dict, log_dir: Path) -> Grade:
@@ -365,7 +365,7 @@ def main(args: Args) -> int:
          "reward": g.reward, "resolved": g.resolved, "reason": g.reason,
          "report": None if g.report is None else json.dumps(g.report, sort_keys=True)}
         for job, g in zip(jobs, grades)
-    ]  # fmt: skip
+    ]
     path = write_rewards(pl.DataFrame(rows, schema=REWARDS_SCHEMA), out_dir)
     reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(Counter(g.reason for g in grades).items()))
     print(f"resolved {sum(g.resolved for g in grades)}/{len(grades)} ({reasons}) -> {path}")

@@ -330,7 +330,7 @@ def completion_body(req: ChatRequest, prompt_ids: list[int], pieces: Iterator[Pi
         if req.sglang["return_meta_info"]:
             triples = [[e["logprob"], t, None] for e, t in zip(logprobs, token_ids)] if logprobs else None
             choice["meta_info"] = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(token_ids),
-                                   "cached_tokens": 0, "output_token_logprobs": triples}  # fmt: skip
+                                   "cached_tokens": 0, "output_token_logprobs": triples}
     elif req.return_token_ids:
         choice["token_ids"] = token_ids
         body["prompt_token_ids"] = prompt_ids

@@ -123,7 +123,7 @@ def _responses_answer(text: str, streamed: bool) -> dict[str, Any] | None:
         elif item.get("type") == "reasoning":
             # The addon's own encrypted_content holds the full text; OpenAI's is opaque, its summary not sampled.
             own = native.read_reasoning(item.get("encrypted_content")) if item.get("encrypted_content") else None
-            reasoning += [own] if own is not None else [p.get("text") or "" for p in item.get("content") or [] if isinstance(p, dict)]  # fmt: skip
+            reasoning += [own] if own is not None else [p.get("text") or "" for p in item.get("content") or [] if isinstance(p, dict)]
         elif item.get("type") == "function_call":
             calls.append(_call(item.get("call_id"), item.get("name"), item.get("arguments")))
     incomplete = response.get("status") == "incomplete"

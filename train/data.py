@@ -90,7 +90,7 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(**{f.name: None if (v := getattr(self, f.name)) is None else v.to(device)
-                             for f in dataclasses.fields(self)})  # fmt: skip
+                             for f in dataclasses.fields(self)})
 
 
 def attention_mask(family: torch.Tensor, member: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -155,7 +155,7 @@ def load(paths: Sequence[Path], *, require_reward: bool = True, require_task: bo
         df.group_by("session_id", maintain_order=True)
         .agg(pl.col("task_id").n_unique().alias("n_task"), pl.col("reward").n_unique().alias("n_reward"),
              pl.col("task_id").first(), pl.col("reward").first())
-    )  # fmt: skip
+    )
     bad = sessions.filter((pl.col("n_task") > 1) | (pl.col("n_reward") > 1))
     if not bad.is_empty():
         raise DataError(
@@ -196,7 +196,7 @@ def _check_rows(df: pl.DataFrame) -> None:
             pl.col(c).list.eval(pl.element().is_null()).list.any().fill_null(False)
             for c in ("prompt_ids", "response_ids", "loss_mask", "logprobs")
         ).alias("null_inside"),
-    )  # fmt: skip
+    )
     problems = [
         (pl.col("n_prompt") == 0, "empty prompt_ids (the first response token needs a context)"),
         (pl.col("n_response") != pl.col("n_mask"), "response_ids and loss_mask lengths differ"),
@@ -206,7 +206,7 @@ def _check_rows(df: pl.DataFrame) -> None:
         (pl.col("bad_logprobs"), "logprobs holds NaN, inf or positive values"),
         (pl.col("negative_id"), "negative token ids"),
         (pl.col("null_inside"), "a null inside a token list"),
-    ]  # fmt: skip
+    ]
     for condition, what in problems:
         hit = checks.filter(condition)
         if not hit.is_empty():
@@ -326,7 +326,7 @@ def families(traces: Sequence[Trace], budget: int) -> list[tuple[int, list[int]]
 
 
 def rank_micro_batches(step_traces: Sequence[Trace], weights: np.ndarray, budget: int, rank: int, world: int,
-                       share_prefix: bool = False) -> list[MicroBatch]:  # fmt: skip
+                       share_prefix: bool = False) -> list[MicroBatch]:
     """This rank's micro-batches of one optimizer step (the same count on every rank): the step's traces packed
     into ``budget``-token rows, dealt over ``world`` ranks; ``weights`` (M,) is each trace's per-token loss weight.
     ``share_prefix`` packs families of traces that begin alike, each shared prefix once (see the module doc)."""
@@ -337,11 +337,11 @@ def rank_micro_batches(step_traces: Sequence[Trace], weights: np.ndarray, budget
         dealt = balance([sum(sizes[f] for f in b) for b in bins], world)[rank]
         return [collate_shared([(fams[f][0], [step_traces[i] for i in fams[f][1]]) for f in bins[b]],
                                [weights[i] for f in bins[b] for i in fams[f][1]])
-                if b is not None else collate([], []) for b in dealt]  # fmt: skip
+                if b is not None else collate([], []) for b in dealt]
     bins = pack([len(t.tokens) for t in step_traces], budget)
     dealt = balance([sum(len(step_traces[i].tokens) for i in b) for b in bins], world)[rank]
     return [collate([step_traces[i] for i in bins[b]], weights[bins[b]]) if b is not None else collate([], [])
-            for b in dealt]  # fmt: skip
+            for b in dealt]
 
 
 def collate(traces: Sequence[Trace], weights: Sequence[float]) -> MicroBatch:
@@ -352,7 +352,7 @@ def collate(traces: Sequence[Trace], weights: Sequence[float]) -> MicroBatch:
     if not traces:
         z = torch.zeros(0)
         return MicroBatch(torch.zeros(1, 2, dtype=torch.long), torch.arange(2)[None], z.long(), z.long(), z, z, z,
-                          z.long())  # fmt: skip
+                          z.long())
     offsets = np.cumsum([0] + [len(t.tokens) for t in traces])  # (k+1,)
     tokens = np.concatenate([t.tokens for t in traces])  # (T,)
     positions = np.concatenate([np.arange(len(t.tokens)) for t in traces])  # (T,)

@@ -97,7 +97,7 @@ def main(args: Args) -> int:
     (args.out / "example.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (args.out / "example_rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rollouts))
     meta = {"model": "python -m eval.models tiny", "tokenizer_sha256": tokenizer_sha,
-            "command": "python -m eval.nemo_gym.make_examples"}  # fmt: skip
+            "command": "python -m eval.nemo_gym.make_examples"}
     (args.out / "example_rollouts.meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     print(f"wrote {args.out}/example.jsonl, example_rollouts.jsonl, example_rollouts.meta.json")
     return 0

@@ -147,7 +147,7 @@ def test_shutdown_on_a_full_disk_is_bounded_and_names_every_record_it_lost(addon
 
 def test_an_exchange_handed_over_at_shutdown_is_still_written(addon, tctx, tmp_path):
     ex = Exchange(session_id="late", session_source="header", api="chat", upstream="vllm", method="POST",
-                  path="/v1/chat/completions", t_start=time.time(), request_headers={})  # fmt: skip
+                  path="/v1/chat/completions", t_start=time.time(), request_headers={})
     addon._handing_over[ex.id] = ex  # the response hook ran; the loop step that hands it over did not
     addon.done()
     assert [r["session_id"] for r in read_records(tmp_path / "captures")] == ["late"]
@@ -339,7 +339,7 @@ def test_a_lean_parse_accepts_exactly_what_json_loads_accepts():
 def test_a_lean_parse_leaves_out_only_large_bulk_members():
     big = "x" * 100_000
     data = json.dumps({"model": "m", "messages": [{"role": "user", "content": big}], "tools": [], "stream": True,
-                       "stream_options": {"include_usage": False}, "system": big}).encode()  # fmt: skip
+                       "stream_options": {"include_usage": False}, "system": big}).encode()
     body = polar.Body.parse(data, lean_over=0)
     assert body.lean and body.value["messages"] is ELIDED and body.value["system"] is ELIDED
     assert body.value["tools"] == [] and body.value["stream_options"] == {"include_usage": False}

@@ -73,7 +73,7 @@ def test_a_proxy_whose_addon_did_not_load_is_refused_by_every_client(upstream, t
     port = free_port()
     cmd = [str(Path(sys.executable).parent / "mitmdump"), "--mode", f"reverse:{upstream}",
            "--listen-host", "127.0.0.1", "-p", str(port), "-s", "addon/polar.py",
-           "--set", f"polar_dir={tmp_path / 'a'}", "--set", f"polar_dir={tmp_path / 'b'}"]  # fmt: skip
+           "--set", f"polar_dir={tmp_path / 'a'}", "--set", f"polar_dir={tmp_path / 'b'}"]
     with Service(cmd, port=port, log=tmp_path / "mitmdump.log") as proxy:
         time.sleep(2.0)  # mitmproxy reports the script error just after it starts listening
         assert call(proxy.url, "sess-unrecorded").status_code == 200  # the hazard: forwarded, recorded nowhere
@@ -105,7 +105,7 @@ def test_a_transparent_proxy_answers_its_health_as_a_proxy(upstream, tmp_path):
     port = free_port()
     cmd = [str(Path(sys.executable).parent / "mitmdump"), "--mode", f"regular@127.0.0.1:{port}", "-s", "addon/polar.py",
            "--set", f"confdir={tmp_path / 'conf'}", "--set", f"polar_reroute={upstream}",
-           "--set", f"polar_dir={tmp_path / 'captures'}"]  # fmt: skip
+           "--set", f"polar_dir={tmp_path / 'captures'}"]
     with Service(cmd, port=port, log=tmp_path / "mitmdump.log") as proxy:
         health = wait_for(lambda: _health_or_none(proxy.url), "the health answer through the proxy")
     assert health["loaded"] and health["options"]["polar_dir"] == str((tmp_path / "captures").resolve())

@@ -22,7 +22,7 @@ def make_flow(host, path, *, method="POST", body=None, headers=(), port=443, sch
     req = tutils.treq(
         scheme=scheme.encode(), host=host, port=port, method=method.encode(), path=path.encode(), content=content,
         headers=((b"host", host.encode()), (b"content-type", b"application/json"), *headers),
-    )  # fmt: skip
+    )
     flow = tflow.tflow(req=req)
     flow.client_conn.proxy_mode = ProxyMode.parse(mode)
     return flow
@@ -120,7 +120,7 @@ def test_other_paths_on_a_rerouted_host_are_answered_here_unrecorded(addons, tct
 
 def test_unnamed_host_passes_untouched_and_unrecorded(addons, tctx, tmp_path):
     flow = make_flow("telemetry.example.com", "/v1/chat/completions", body={"model": "m", "messages": []},
-                     headers=((b"authorization", b"Bearer sk-live-0123456789abcdef"),))  # fmt: skip
+                     headers=((b"authorization", b"Bearer sk-live-0123456789abcdef"),))
     request(addons, flow)
     finish(addons, flow)
     assert flow.metadata[reroute.ROUTE_KEY] == reroute.PASS
@@ -175,9 +175,9 @@ def test_upstream_mode_reaches_our_upstream_directly(addons, tctx):
 def test_capture_only_forwards_the_key_and_records_no_secret(addons, tctx, tmp_path):
     tctx.configure(addons[0], polar_reroute="", polar_capture="api.openai.com, generativelanguage.googleapis.com")
     chat = make_flow("api.openai.com", "/v1/chat/completions", body={"model": "gpt", "messages": [], "stream": False},
-                     headers=((b"authorization", f"Bearer {SECRETS[0]}".encode()), (b"cookie", b"c=1")))  # fmt: skip
+                     headers=((b"authorization", f"Bearer {SECRETS[0]}".encode()), (b"cookie", b"c=1")))
     google = make_flow("generativelanguage.googleapis.com", f"/v1beta/models/g:generateContent?key={SECRETS[1]}",
-                       body={"contents": []}, headers=((b"x-goog-api-key", SECRETS[1].encode()),))  # fmt: skip
+                       body={"contents": []}, headers=((b"x-goog-api-key", SECRETS[1].encode()),))
     for flow in (chat, google):
         request(addons, flow)
         assert flow.metadata[reroute.ROUTE_KEY] == reroute.CAPTURE

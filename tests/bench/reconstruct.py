@@ -421,7 +421,7 @@ def report(cfg: Config, gen: dict[str, Any], parse: dict[str, Any], rec: dict[st
     md = ["| metric | value |", "| --- | ---: |", *[f"| {n} | {v} |" for n, v in rows], "", *[f"- {n}" for n in notes]]
     raw = {"config": dataclasses.asdict(cfg) | {"out": str(cfg.out), "keep": str(cfg.keep)}, "generated": gen,
            "parse": parse, "reconstruct": rec, "parallel": par, "ratio": ratio, "cpu_ratio": cpu_ratio,
-           "parallel_ratio": par_ratio, "when": when}  # fmt: skip
+           "parallel_ratio": par_ratio, "when": when}
     return table, "\n".join(md) + "\n", raw
 
 

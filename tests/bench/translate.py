@@ -83,7 +83,7 @@ def _chat(turn: dict[str, Any], stream: bool) -> dict[str, Any]:
 def _anthropic(turn: dict[str, Any], stream: bool) -> dict[str, Any]:
     call = turn["call"]
     tools = [{"name": f["name"], "description": f["description"], "input_schema": f["parameters"]}
-             for f in (t["function"] for t in turn["tools"])]  # fmt: skip
+             for f in (t["function"] for t in turn["tools"])]
     return {
         "model": MODEL,
         "max_tokens": 4096,
@@ -463,7 +463,7 @@ def evaluate(stats: dict[str, dict[str, float | None]]) -> list[dict[str, object
         value = stats.get(api, {}).get("first_event_vs_chat_ms")
         result = "n/a" if value is None else "PASS" if value <= FIRST_EVENT_LIMIT_MS else "MISS"
         rows.append({"name": f"first byte, {api} - chat (translated stream)", "value": value, "unit": "ms",
-                     "target": f"<= {FIRST_EVENT_LIMIT_MS:g} ms", "result": result})  # fmt: skip
+                     "target": f"<= {FIRST_EVENT_LIMIT_MS:g} ms", "result": result})
     return rows
 
 

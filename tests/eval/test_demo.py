@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TASK, HELDOUT, TEACH = "polar-toy__retries-1", "polar-toy__units-1", "polar-toy__greeting-1"
 SAMPLES, HELDOUT_SAMPLES = 4, 2
 FIX = [{"content": None, "tool_calls": [{"name": "bash", "arguments": {"command": "sed -i 's/= 3/= 5/' client/policy.py"}}]},
-       {"content": "The retry limit is now 5.", "tool_calls": []}]  # fmt: skip
+       {"content": "The retry limit is now 5.", "tool_calls": []}]
 GIVE_UP = [{"content": "I cannot fix this.", "tool_calls": []}]
 SCRIPT = {"*retries-1-[02]": FIX, "*": GIVE_UP}
 STAGES = ["base", "sft", "grpo1"]
@@ -42,7 +42,7 @@ def demo_command(model: Path, tmp: Path) -> list[str]:
     return [sys.executable, "-m", "eval.demo", "--model", str(model), "--script", str(script), "--teach", TEACH,
             "--tasks", TASK, "--heldout", HELDOUT, "--samples", str(SAMPLES), "--heldout-samples",
             str(HELDOUT_SAMPLES), "--rounds", "1", "--sft-steps", "2", "--sft-lr", "0.01", "--lr", "0.005",
-            "--grpo-steps", "1", "--max-tokens", "None", "--threads", "1", "--out", str(tmp / "runs")]  # fmt: skip
+            "--grpo-steps", "1", "--max-tokens", "None", "--threads", "1", "--out", str(tmp / "runs")]
 
 
 def fast_demo_run(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Path:
@@ -75,7 +75,7 @@ def test_demo_writes_the_run_folder_and_its_summary_agrees_with_the_files(demo_r
                  "teacher/trajectories.parquet", "adapters/sft/adapter_model.safetensors", "adapters/sft/metrics.jsonl",
                  "adapters/grpo1/adapter_config.json", "adapters/grpo1/metrics.jsonl",
                  *(f"{s}/trajectories.parquet" for s in STAGES), *(f"{s}-heldout/rewards.parquet" for s in STAGES),
-                 *(f"logs/mitmdump-{s}.log" for s in STAGES)):  # fmt: skip
+                 *(f"logs/mitmdump-{s}.log" for s in STAGES)):
         assert (run / path).is_file(), path
     summary = json.loads((run / "summary.json").read_text())
     assert summary == {**summary, **demo_report.summary(run)}  # the numbers written are the files' numbers
@@ -117,7 +117,7 @@ def sampled(run: Path, stage: str, rewarded: bool) -> list[tuple[int, float]]:
     """(token id, captured log-prob) of every sampled token of a stage's rewarded (or unrewarded) sessions."""
     traces = schema.read(demo_report.trajectories_path(run, stage)).filter(pl.col("reward") == float(rewarded))
     return [(t, lp) for ids, lps, mask in zip(traces["response_ids"], traces["logprobs"], traces["loss_mask"])
-            for t, lp, m in zip(ids, lps, mask) if m]  # fmt: skip
+            for t, lp, m in zip(ids, lps, mask) if m]
 
 
 def mean_logprob(run: Path, stage: str, rewarded: bool) -> float:
@@ -153,7 +153,7 @@ def descendants(pid: int) -> list[psutil.Process]:
 def test_ctrl_c_stops_every_phase_and_service(tiny_model_dir, tmp_path):
     # Its own process group, signalled as a whole: what a terminal's Ctrl-C does to a foreground job.
     demo = subprocess.Popen(demo_command(tiny_model_dir, tmp_path), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.monotonic() + DEMO_TIMEOUT / 2  # the teacher and SFT phases come first
     while not list(tmp_path.glob("runs/*/captures/base/*.jsonl")) and time.monotonic() < deadline:
         assert demo.poll() is None, demo.stdout.read()

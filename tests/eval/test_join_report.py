@@ -57,7 +57,7 @@ def run_tables(run_dir, sessions: list[tuple[str, str, int]], rewards: list[tupl
             schema=SESSIONS_SCHEMA,
         ),
         run_dir,
-    )  # fmt: skip
+    )
     write_rewards(
         pl.DataFrame(
             [
@@ -68,7 +68,7 @@ def run_tables(run_dir, sessions: list[tuple[str, str, int]], rewards: list[tupl
             schema=REWARDS_SCHEMA,
         ),
         run_dir,
-    )  # fmt: skip
+    )
 
 
 def test_join_fills_tasks_and_rewards_of_the_run_and_reports_the_gaps(tmp_path):
@@ -140,7 +140,7 @@ def rewards_table(results: dict[tuple[str, str], list[bool]]) -> pl.DataFrame:
             for i, ok in enumerate(oks)
         ],
         schema=REWARDS_SCHEMA,
-    )  # fmt: skip
+    )
 
 
 def test_report_pass_at_k_per_task_and_overall_by_harness(tmp_path, capsys):

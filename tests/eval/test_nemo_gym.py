@@ -149,12 +149,12 @@ def trace(prompt, pieces, *, n_calls=None, chain_index=0):
             messages.append({"role": "tool", "tool_call_id": "c", "content": "ok"})
     return {"trace_id": f"s/{chain_index}", "chain_index": chain_index, "n_calls": n_calls or n, "token_source": "captured",
             "prompt_ids": prompt, "response_ids": response, "loss_mask": mask,
-            "logprobs": [-0.5 * m for m in mask], "messages": {"messages": messages, "tools": None}}  # fmt: skip
+            "logprobs": [-0.5 * m for m in mask], "messages": {"messages": messages, "tools": None}}
 
 
 def results(traces, **session):
     base = {"session_id": "s", "status": "ok", "reward": 1.0, "resolved": True, "reason": "graded", "patch": "diff",
-            "calls": sum(t["n_calls"] for t in traces), "incomplete_calls": 0, "traces": traces}  # fmt: skip
+            "calls": sum(t["n_calls"] for t in traces), "incomplete_calls": 0, "traces": traces}
     return {"job_id": "j", "status": "done", "sessions": [base | session]}
 
 

@@ -68,7 +68,7 @@ def test_mini_and_shell_rollouts_line_up_with_captures_rewards_and_traces(proxy,
     shell = rollout.Args(
         tasks="toy", instance_ids=tuple(ids), harness="shell", command=agent, proxy=proxy.url, out=shell_run,
         concurrency=2, timeout=120,
-    )  # fmt: skip
+    )
     assert rollout.main(shell) == 0
     stdout, stderr = mini.communicate(timeout=240)
     assert mini.returncode == 0, stderr
@@ -114,7 +114,7 @@ def test_mini_and_shell_rollouts_line_up_with_captures_rewards_and_traces(proxy,
         [sys.executable, "-m", "reconstruct", str(proxy.captures), "-o", str(traces), "--sessions",
          str(mini_run / "sessions.parquet"), "--no-progress"],
         check=True, capture_output=True,
-    )  # fmt: skip
+    )
     assert eval.join.main(eval.join.Args(traces, mini_run, tmp_path / "joined.parquet")) == 0
     joined = schema.read(tmp_path / "joined.parquet")
     sessions = read_sessions(mini_run)

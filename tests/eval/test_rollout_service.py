@@ -53,7 +53,7 @@ def call(url, method, path, body=None, token=TOKEN):
 def start_service(proxy, root, token_file, log) -> Service:
     cmd = [sys.executable, "-m", "eval.rollout_service", "--proxy", proxy.url, "--captures", str(proxy.captures),
            "--root", str(root), "--token-file", str(token_file), "--workers", "2", "--session-concurrency", "2",
-           "--grade-timeout", "60"]  # fmt: skip
+           "--grade-timeout", "60"]
     port = free_port()
     return Service([*cmd, "--port", str(port)], port=port, log=log)
 

@@ -113,7 +113,7 @@ def test_run_dir_sessions_are_graded(toy, tmp_path):
         pl.DataFrame(
             [{"session_id": sid, "task_id": PAGER, "sample_id": i, "harness": "pi", "model": "m", "status": status,
               "exit_code": 0, "started_at": "2025-01-01T00:00:00Z", "duration_s": 1.0, "patch": patch,
-              "error": None if status == "ok" else "x"} for i, (sid, status, patch) in enumerate(sessions)]  # fmt: skip
+              "error": None if status == "ok" else "x"} for i, (sid, status, patch) in enumerate(sessions)]
         ),
         tmp_path,
     )
@@ -153,7 +153,7 @@ def test_args_need_one_source():
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "eval", "score", *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONWARNINGS": "error"}, timeout=240, check=False)  # fmt: skip
+                          env={**os.environ, "PYTHONWARNINGS": "error"}, timeout=240, check=False)
 
 
 @pytest.mark.slow

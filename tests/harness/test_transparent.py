@@ -128,12 +128,12 @@ def cli_runs(tiny_model_dir, harness_bin, tmp_path_factory):
         with (
             ReferenceServer(tiny_model_dir, script=tmp / "script.json", log=tmp / "server.log") as server,
             TransparentMitmdump(server.url, tmp / "captures", tmp / "conf", log=tmp / "mitmdump.log", polar_model="tiny") as mitm,
-        ):  # fmt: skip
+        ):
             run = run_transparent(
                 harness, PROMPT, workspace=tmp / "workspace", proxy_url=mitm.url, ca_cert=mitm.ca_cert,
                 session_id=f"transparent-{harness}", timeout=RUN_TIMEOUT, tools=case.tools, home=tmp / "home",
                 bin_dir=harness_bin,
-            )  # fmt: skip
+            )
         return run, tmp
 
     with ThreadPoolExecutor(max_workers=len(CLIS)) as pool:
@@ -178,11 +178,11 @@ def test_rollout_transparent_claude_code_resolves_a_toy_task(tiny_model_dir, har
     with (
         ReferenceServer(tiny_model_dir, script=tmp_path / "script.json", log=tmp_path / "server.log") as server,
         TransparentMitmdump(server.url, tmp_path / "captures", tmp_path / "conf", log=tmp_path / "mitm.log", polar_model="tiny") as mitm,
-    ):  # fmt: skip
+    ):
         args = rollout.Args(
             tasks="toy", instance_ids=(task["instance_id"],), harness="claude-code", proxy=mitm.url, out=run,
             tools=case.tools, timeout=RUN_TIMEOUT, transparent=True, ca_cert=mitm.ca_cert,
-        )  # fmt: skip
+        )
         assert rollout.main(args) == 0
     session = read_sessions(run).row(0, named=True)
     assert (session["status"], session["patch"]) == ("ok", task["patch"]), session["error"]

@@ -48,7 +48,7 @@ def test_stats_count_everything(built, tokenizer):
     assert (stats.sessions, stats.calls, stats.merged_calls, stats.traces) == (9, 31, 31, 14)
     assert stats.breaks == {
         "prompt_rewritten": 1, "separate_agent": 1, "sibling": 1, "drift": 2, "missing_ids": 0, "incomplete": 0
-    }  # fmt: skip
+    }
     assert (stats.retokenized_calls, stats.dropped, stats.notes, stats.eot_id) == (6, {}, {}, 2)
     assert stats.tokens_trainable == df["loss_mask"].list.sum().sum()
     assert stats.tokens_trainable + stats.tokens_masked == df["response_ids"].list.len().sum()
@@ -127,7 +127,7 @@ def test_sessions_table_fills_task_and_sample(folder, captures, tokenizer, tmp_p
     got = df.group_by("session_id").agg(pl.col("task_id").first(), pl.col("sample_id").first())
     assert dict((s, (t, n)) for s, t, n in got.iter_rows()) == {
         **{s: (None, None) for s in df["session_id"].unique()}, S.retry: ("t1", 0), S.subagents: ("t2", 3)
-    }  # fmt: skip
+    }
     pl.DataFrame({"session_id": ["a"]}).write_parquet(tmp_path / "bad.parquet")
     with pytest.raises(ConfigError, match="task_id"):
         read_sessions(tmp_path / "bad.parquet")

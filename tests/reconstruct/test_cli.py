@@ -47,7 +47,7 @@ def test_python_m_reconstruct(captures, tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "reconstruct", str(captures.vllm_dir), "-o", str(out), "--mode", "per-request"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr
     assert schema.read(out).height == 25 and "25 (per-request" in done.stderr
 

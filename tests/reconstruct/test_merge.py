@@ -110,7 +110,7 @@ def call(n, prompt, out, *, source="captured", complete=True, finish="stop", age
         exchange_id=f"c{n}", session_id="s", order=(float(n), f"c{n}", 0), api="chat", request=Request.known("m", [], None),
         prompt=TokenText.from_ids(prompt), output_ids=out, logprobs=[-0.5] * len(out) if logprobs else None,
         finish_reason=finish, complete=complete, source=source, completion=None, agent=agent,
-    )  # fmt: skip
+    )
 
 
 def shape(traces):

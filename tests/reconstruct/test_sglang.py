@@ -20,7 +20,7 @@ SCRIPT = [
     {"reasoning": "List first.", "content": None, "tool_calls": [{"name": "bash", "arguments": {"command": "ls"}}]},
     {"content": "Two files.", "tool_calls": []},
 ]
-TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}}]  # fmt: skip
+TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}}]
 
 
 def run_sessions(model_dir, tmp, flavor):
@@ -42,7 +42,7 @@ def run_sessions(model_dir, tmp, flavor):
                         calls, content, reasoning = message.tool_calls or [], message.content, getattr(message, "reasoning", None)
                     turn = {"role": "assistant", "content": content or None, "reasoning": reasoning or None}
                     if calls:
-                        turn["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}} for c in calls]  # fmt: skip
+                        turn["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}} for c in calls]
                     messages += [turn] + [{"role": "tool", "tool_call_id": c.id, "content": "a.py b.py"} for c in calls]
             records = read_records(tmp / "captures", expect=4)
     return records, reconstruct([tmp / "captures"])

@@ -46,7 +46,7 @@ def test_fused_loss_value_and_gradient_match_autograd_through_full_logits(chunk)
         return -torch.minimum(ratio * adv[sl], ratio.clamp(0.8, 1.28) * adv[sl]) + 0.1 * logp**2
 
     loss, logp, entropy = fused_token_loss(hidden, targets, head, token_loss, chunk=chunk, temperature=1.3,
-                                           with_entropy=True)  # fmt: skip
+                                           with_entropy=True)
     (3.0 * loss).backward()
     grad = hidden.grad.clone()
     hidden.grad = None

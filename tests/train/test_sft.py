@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def make_config(tmp_path, model_dir, rows, **overrides) -> sft.Config:
     path = write(tmp_path / "trajectories.parquet", rows) if rows is not None else tmp_path / "trajectories.parquet"
     values = dict(trajectories=(path,), model=str(model_dir), output=tmp_path / "out", max_len=48,
-                  micro_batch_tokens=48, sessions_per_step=4, lr=1e-2, lora_r=4, lora_alpha=8)  # fmt: skip
+                  micro_batch_tokens=48, sessions_per_step=4, lr=1e-2, lora_r=4, lora_alpha=8)
     return sft.Config(**{**values, **overrides})
 
 
@@ -72,13 +72,13 @@ def test_step_loss_is_the_nll_of_taught_tokens_by_hand(tmp_path, tiny_model_dir,
     """Masks in the middle and at the end, truncation, a session in two traces, several micro-batches, and the
     traces of s0 packed with their shared 7 tokens once."""
     cfg = make_config(tmp_path, tiny_model_dir, ROWS, max_len=10, micro_batch_tokens=12, logprob_chunk=3,
-                      loss_agg=loss_agg, share_prefix=share_prefix)  # fmt: skip
+                      loss_agg=loss_agg, share_prefix=share_prefix)
     policy = grpo.load_policy(cfg, "no")
     for name, p in policy.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.3)
     traces, cut = data.make_traces(data.load(cfg.trajectories, require_reward=False, require_task=False),
-                                   np.zeros(3), np.ones(3, bool), cfg.max_len)  # fmt: skip
+                                   np.zeros(3), np.ones(3, bool), cfg.max_len)
     assert cut["truncated"] == 1
     mbs = sft.rank_micro_batches(traces, sft.AGGREGATIONS[loss_agg], cfg, rank=0, world=1)
     assert len(mbs) > 1
@@ -152,7 +152,7 @@ def test_sft_raises_the_log_prob_of_taught_tokens_and_only_touches_the_adapter(t
 def test_min_reward_keeps_sessions_at_or_above_it(tmp_path, tiny_model_dir):
     rows = [trace(session="good", reward=1.0), trace(session="good", reward=1.0, chain=1),
             trace(session="half", reward=0.5, response=[7, 8]), trace(session="bad", reward=0.0),
-            trace(session="unknown", reward=None), trace(session="no-task", task=None, reward=1.0)]  # fmt: skip
+            trace(session="unknown", reward=None), trace(session="no-task", task=None, reward=1.0)]
     cfg = make_config(tmp_path / "a", tiny_model_dir, rows, min_reward=0.5)
     sft.main(cfg)
     first, step = rows_of(cfg.output / "metrics.jsonl")[:2]
@@ -187,13 +187,13 @@ def test_the_adapter_serves_and_raises_the_served_log_probs_of_the_taught_answer
     from transformers import AutoModelForCausalLM
 
     url = reference_server(tiny_model_dir, script=[{"content": "The answer is 42.", "reasoning": None,
-                                                   "tool_calls": []}])  # fmt: skip
+                                                   "tool_calls": []}])
     messages = [{"role": "user", "content": "What is the answer?"}]
 
     def served(model: str, session: str) -> tuple[list[int], list[int], list[float]]:
         answer = http.post(url + "/v1/chat/completions", headers={"x-polar-session": session},
                             json={"messages": messages, "model": model, "logprobs": True, "return_token_ids": True})
-        answer.raise_for_status()  # fmt: skip
+        answer.raise_for_status()
         choice = answer.json()["choices"][0]
         logprobs = [e["logprob"] for e in choice["logprobs"]["content"]]
         return answer.json()["prompt_token_ids"], choice["token_ids"], logprobs
@@ -201,7 +201,7 @@ def test_the_adapter_serves_and_raises_the_served_log_probs_of_the_taught_answer
     prompt, ids, base = served("tiny", "base")  # the script replays the same answer to every session
     rows = [trace(session=f"s{i}", task=None, prompt=prompt, response=ids, reward=None) for i in range(4)]
     cfg = make_config(tmp_path, tiny_model_dir, rows, max_len=256, micro_batch_tokens=256, sessions_per_step=2,
-                      epochs=2)  # fmt: skip
+                      epochs=2)
     sft.main(cfg)
 
     loaded = http.post(url + "/v1/load_lora_adapter", json={"lora_name": "sft", "lora_path": str(cfg.output)})
@@ -223,7 +223,7 @@ def test_grpo_starts_from_the_sft_adapter(tmp_path, tiny_model_dir):
     sft.main(first)
     rl = grpo.Config(trajectories=first.trajectories, model=str(tiny_model_dir), output=tmp_path / "rl",
                      adapter=first.output, groups_per_step=2, max_steps=1, kl_coef=0.1, max_len=48,
-                     micro_batch_tokens=48, lr=1e-2, save_every=0)  # fmt: skip
+                     micro_batch_tokens=48, lr=1e-2, save_every=0)
     grpo.main(rl)
     metrics = rows_of(rl.output / "metrics.jsonl")
     assert [r["step"] for r in metrics] == [0, 1] and math.isfinite(metrics[1]["loss/total"])
@@ -246,7 +246,7 @@ def test_accelerate_launch(tmp_path, tiny_model_dir):
          str(tiny_model_dir), "--min-reward", "0.5", "--sessions-per-step", "2", "--max-len", "32",
          "--micro-batch-tokens", "32", "--lora-r", "4", "--output", str(tmp_path / "out")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "7 sessions, 4 kept (reward >= 0.5)" in run.stdout and "step 2/2  loss" in run.stdout
     assert [r["step"] for r in rows_of(tmp_path / "out" / "metrics.jsonl")] == [0, 1, 2]
@@ -273,7 +273,7 @@ def test_yaml_config_then_flags(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("lr: 0.5\nmin_reward: 1\nloss_agg: session_mean\nlora_targets: [q_proj, v_proj]\n")
     cfg = sft.parse(["--config", str(path), "--trajectories", "a.parquet", "--model", "m", "--output", "o",
-                     "--lr", "0.25"])  # fmt: skip
+                     "--lr", "0.25"])
     assert (cfg.lr, cfg.min_reward, cfg.loss_agg, cfg.lora_targets) == (0.25, 1.0, "session_mean", ("q_proj", "v_proj"))
     saved = tmp_path / "config.yaml"  # a written config.yaml reproduces the run
     saved.write_text(runtime.config_yaml(cfg))
@@ -308,7 +308,7 @@ def test_bad_input_and_outputs_are_refused(tmp_path, tiny_model_dir):
 def test_the_script_exits_2_with_a_message_on_bad_input(tmp_path, monkeypatch, capsys):
     missing = tmp_path / "nope.parquet"
     monkeypatch.setattr(sys, "argv", ["sft.py", "--trajectories", str(missing), "--model", "m", "--output",
-                                      str(tmp_path / "out")])  # fmt: skip
+                                      str(tmp_path / "out")])
     with pytest.raises(SystemExit) as e:
         runpy.run_path(str(Path(sft.__file__)), run_name="__main__")
     assert e.value.code == 2
