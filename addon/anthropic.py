@@ -338,8 +338,15 @@ class MessagesTranslation:
         return error_body(status, message)
 
     def _message(self, upstream_id: Any, content: list[Any], reason: Any, sequence: Any) -> dict[str, Any]:
-        return {"id": _native_id("msg_", upstream_id), "type": "message", "role": "assistant", "content": content,
-                "model": self.model, "stop_reason": reason, "stop_sequence": sequence}
+        return {
+            "id": _native_id("msg_", upstream_id),
+            "type": "message",
+            "role": "assistant",
+            "content": content,
+            "model": self.model,
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+        }
 
     def _message_start(self, chunk: dict[str, Any]) -> list[bytes]:
         self.started = True
@@ -430,8 +437,12 @@ def _usage(usage: dict[str, Any] | None, prompt: int, output: int) -> dict[str, 
     usage = usage or {}
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     # Anthropic counts cache reads apart from input_tokens.
-    return {"input_tokens": usage.get("prompt_tokens", prompt) - cached, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": cached, "output_tokens": usage.get("completion_tokens", output)}
+    return {
+        "input_tokens": usage.get("prompt_tokens", prompt) - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": usage.get("completion_tokens", output),
+    }
 
 
 def _arguments(text: Any) -> dict[str, Any]:

@@ -34,7 +34,13 @@ STATUS_NAMES = {
     429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 500: "INTERNAL", 501: "UNIMPLEMENTED", 502: "UNAVAILABLE",
     503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED",
 }  # fmt: skip
-FINISH_REASONS = {"stop": "STOP", "tool_calls": "STOP", "function_call": "STOP", "length": "MAX_TOKENS", "content_filter": "SAFETY"}
+FINISH_REASONS = {
+    "stop": "STOP",
+    "tool_calls": "STOP",
+    "function_call": "STOP",
+    "length": "MAX_TOKENS",
+    "content_filter": "SAFETY",
+}
 TOOL_CHOICE = {"AUTO": "auto", "ANY": "required", "NONE": "none", "VALIDATED": "auto"}
 # Part fields that carry no content of their own.
 PART_METADATA = {"thought", "thoughtSignature", "partMetadata", "videoMetadata", "mediaResolution"}
@@ -137,7 +143,9 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(contents, list) or not contents:
         raise native.BadRequest("contents must be a non-empty array")
     system = body.get("systemInstruction")
-    instructions = [system if isinstance(system, str) else _texts(_parts(system, "systemInstruction"))] if system else []
+    instructions = (
+        [system if isinstance(system, str) else _texts(_parts(system, "systemInstruction"))] if system else []
+    )
     messages: list[dict[str, Any]] = []
     pending: list[tuple[str, str]] = []  # (id, name) of the last model turn's calls no response answered yet
     for i, content in enumerate(contents):
@@ -181,7 +189,9 @@ def _model_message(parts: list[dict[str, Any]], index: int) -> tuple[dict[str, A
                 raise native.BadRequest(f"contents[{index}]: a functionCall needs a name")
             arguments = json.dumps(call.get("args") or {}, ensure_ascii=False)
             function = {"name": call["name"], "arguments": arguments}
-            calls.append({"id": call.get("id") or f"call_{index}_{len(calls)}", "type": "function", "function": function})
+            calls.append(
+                {"id": call.get("id") or f"call_{index}_{len(calls)}", "type": "function", "function": function}
+            )
         elif "text" not in part and set(part) - PART_METADATA:
             raise native.BadRequest(f"contents[{index}]: a model part with {sorted(part)} cannot be sent upstream")
     message: dict[str, Any] = {"role": "assistant", "content": _texts(parts) or None}
@@ -214,7 +224,9 @@ def _user_messages(parts: list[dict[str, Any]], pending: list[tuple[str, str]], 
         elif isinstance(part.get("text"), str):
             rest += [] if part.get("thought") else [{"type": "text", "text": part["text"]}]
         elif str((data := _fields(part.get("inlineData"))).get("mimeType")).startswith("image/"):
-            rest.append({"type": "image_url", "image_url": {"url": f"data:{data['mimeType']};base64,{data.get('data', '')}"}})
+            rest.append(
+                {"type": "image_url", "image_url": {"url": f"data:{data['mimeType']};base64,{data.get('data', '')}"}}
+            )
         elif set(part) - PART_METADATA:
             raise native.BadRequest(f"contents[{index}]: a part with {sorted(part)} cannot be sent upstream")
     if not rest:
@@ -259,7 +271,13 @@ def _schema(schema: Any) -> Any:
     for key, value in schema.items():
         if key == "type":
             # Anything but a type name or a list of them is passed on as it is, for the upstream to judge.
-            out[key] = value.lower() if isinstance(value, str) else [_lower(v) for v in value] if isinstance(value, list) else value
+            out[key] = (
+                value.lower()
+                if isinstance(value, str)
+                else [_lower(v) for v in value]
+                if isinstance(value, list)
+                else value
+            )
         elif key in SCHEMA_MAPS and isinstance(value, dict):
             out[key] = {name: _schema(s) for name, s in value.items()}
         else:

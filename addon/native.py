@@ -67,7 +67,14 @@ class Mismatch:
     got: str  # "a number"
 
 
-_KINDS = {str: "a string", bool: "a boolean", dict: "an object", list: "an array", NUMBER: "a number", INTEGER: "an integer"}
+_KINDS = {
+    str: "a string",
+    bool: "a boolean",
+    dict: "an object",
+    list: "an array",
+    NUMBER: "a number",
+    INTEGER: "an integer",
+}
 
 
 def mismatch(value: Any, spec: Any, names: Callable[[Any], Any] = lambda v: v) -> Mismatch | None:

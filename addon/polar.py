@@ -88,7 +88,9 @@ def guarded(hook: Callable[..., None]) -> Callable[..., None]:
             hook(self, flow)
         except Exception as e:
             # The path only: a query string may still hold a ?key= secret.
-            log.exception("polar: %s failed for %s %s", hook.__name__, flow.request.method, flow.request.path.partition("?")[0])
+            log.exception(
+                "polar: %s failed for %s %s", hook.__name__, flow.request.method, flow.request.path.partition("?")[0]
+            )
             ex = flow.metadata.get(METADATA_KEY)
             if isinstance(ex, Exchange) and ex.error is None:
                 ex.error = {"kind": "addon", "message": f"{hook.__name__}: {type(e).__name__}: {e}"}
@@ -148,7 +150,9 @@ class Polar:
             "polar_model", str, "", "Model name translated calls ask the upstream for (empty: the client's own)."
         )
         loader.add_option("polar_fsync", bool, False, "fsync each batch of records (survives power loss; slower).")
-        loader.add_option("polar_rotate_mb", int, 256, "Start a new capture file once the current one passes this size (MiB).")
+        loader.add_option(
+            "polar_rotate_mb", int, 256, "Start a new capture file once the current one passes this size (MiB)."
+        )
         loader.add_option(
             "polar_backlog_mb",
             int,
@@ -277,9 +281,14 @@ class Polar:
             if m := session.PATH_PREFIX.match(path):  # nor a session prefix: it may be a secret
                 path = m.group(2) or "/"
             ex = Exchange(
-                session_id="anonymous", session_source="anonymous", api=api, upstream=self.upstream,
-                method=flow.request.method, path=path,
-                t_start=flow.request.timestamp_start or time.time(), request_headers={},
+                session_id="anonymous",
+                session_source="anonymous",
+                api=api,
+                upstream=self.upstream,
+                method=flow.request.method,
+                path=path,
+                t_start=flow.request.timestamp_start or time.time(),
+                request_headers={},
             )
             flow.metadata[METADATA_KEY] = ex
         ex.error = {"kind": "request" if status == 400 else "addon", "message": message}
@@ -349,7 +358,9 @@ class Polar:
             if kept is not None and kept.json_bytes is not None:
                 kept.value = None
 
-    def _rewrite(self, flow: http.HTTPFlow, ex: Exchange, headers: dict[str, str], data: bytes, to_provider: bool) -> None:
+    def _rewrite(
+        self, flow: http.HTTPFlow, ex: Exchange, headers: dict[str, str], data: bytes, to_provider: bool
+    ) -> None:
         """Translate a native call, or add the token fields to a chat (or vLLM Responses) call."""
         upstream = ex.upstream
         body = ex.request.value
@@ -432,7 +443,9 @@ class Polar:
         if ex.written:
             return
         if self.writer is None:  # an exchange ending after shutdown began: say so, never lose it silently
-            log.error("polar: NOT WRITTEN: record %s (session %s, %s): it ended after shutdown", ex.id, ex.session_id, ex.api)
+            log.error(
+                "polar: NOT WRITTEN: record %s (session %s, %s): it ended after shutdown", ex.id, ex.session_id, ex.api
+            )
             return
         ex.written = True
         ex.t_end = time.time()

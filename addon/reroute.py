@@ -177,7 +177,9 @@ class Reroute:
         if not self._forward_mode(flow.client_conn):
             return
         # Proxy credentials are for us (plain-HTTP requests carry them on every request), never for the host.
-        user = proxy_user(flow.request.headers.pop("proxy-authorization", "")) or self.connect_sessions.get(flow.client_conn)
+        user = proxy_user(flow.request.headers.pop("proxy-authorization", "")) or self.connect_sessions.get(
+            flow.client_conn
+        )
         key = self._named(flow.request.host, flow.request.port)
         if key is None:
             flow.metadata[ROUTE_KEY] = PASS

@@ -37,9 +37,17 @@ from addon import native
 # Request fields that point at state kept by OpenAI's servers; this proxy keeps none.
 _STATEFUL = ("previous_response_id", "conversation", "prompt", "background")
 # vLLM's and SGLang's wording of a prompt that does not fit, as far as it is stable.
-_CONTEXT_OVERFLOW = re.compile(r"context length|context window|maximum context|too many tokens|prompt is too long", re.I)
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 422: "invalid_request_error", 429: "rate_limit_error"}
+_CONTEXT_OVERFLOW = re.compile(
+    r"context length|context window|maximum context|too many tokens|prompt is too long", re.I
+)
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text")
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
 LOCAL_SHELL = "local_shell"  # the chat tool name a local_shell_call is rendered under
@@ -85,7 +93,9 @@ def start(body: dict[str, Any], path: str, headers: dict[str, str], options: nat
         raise native.BadRequest(f"POST {path.partition('?')[0]} is not a Responses call; only /responses is translated")
     if found := native.mismatch(body, REQUEST):
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in found.path).lstrip(".") or "body"
-        raise native.BadRequest(f"Invalid type for '{where}': expected {found.expected}, but got {found.got} instead.", param=where)
+        raise native.BadRequest(
+            f"Invalid type for '{where}': expected {found.expected}, but got {found.got} instead.", param=where
+        )
     for name in _STATEFUL:
         if body.get(name):
             raise native.BadRequest(
@@ -99,7 +109,14 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
     """OpenAI's error shape (``param``: the offending field); a context overflow gets the code that makes Codex
     compact its history."""
     if status == 400 and _CONTEXT_OVERFLOW.search(message):
-        return {"error": {"message": message, "type": "invalid_request_error", "param": "input", "code": "context_length_exceeded"}}
+        return {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": "input",
+                "code": "context_length_exceeded",
+            }
+        }
     kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
@@ -128,7 +145,12 @@ class Translation:
             "tool_calls": [{**call, "index": i} for i, call in enumerate(message.get("tool_calls") or [])],
         }
         state = _Answer(self._body, quiet=True)
-        state.feed({"choices": [{"delta": delta, "finish_reason": choice.get("finish_reason")}], "usage": response.get("usage")})
+        state.feed(
+            {
+                "choices": [{"delta": delta, "finish_reason": choice.get("finish_reason")}],
+                "usage": response.get("usage"),
+            }
+        )
         state.finish(True)
         return state.response
 
@@ -197,7 +219,9 @@ def _messages(items: Any) -> list[dict[str, Any]]:
             joinable = True
         elif kind in ("function_call_output", "local_shell_call_output"):
             call_id = item.get("call_id") or item.get("id")
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": _content(item.get("output"), f"input[{i}].output")})
+            messages.append(
+                {"role": "tool", "tool_call_id": call_id, "content": _content(item.get("output"), f"input[{i}].output")}
+            )
             joinable = False
         elif kind == "message" and item.get("role") == "assistant":
             messages.append(_assistant(native.text_of(item.get("content")), reasoning))
@@ -206,9 +230,15 @@ def _messages(items: Any) -> list[dict[str, Any]]:
             messages.append({"role": item["role"], "content": _content(item.get("content"), f"input[{i}].content")})
             joinable = False
         elif kind == "item_reference":
-            raise native.BadRequest(f"input[{i}]: 'item_reference' needs items stored by the server, and this proxy keeps none", param=f"input[{i}]")
+            raise native.BadRequest(
+                f"input[{i}]: 'item_reference' needs items stored by the server, and this proxy keeps none",
+                param=f"input[{i}]",
+            )
         else:
-            raise native.BadRequest(f"input[{i}]: items of type {kind!r} (role {item.get('role')!r}) cannot be translated", param=f"input[{i}]")
+            raise native.BadRequest(
+                f"input[{i}]: items of type {kind!r} (role {item.get('role')!r}) cannot be translated",
+                param=f"input[{i}]",
+            )
     return messages
 
 
@@ -249,9 +279,13 @@ def _content(content: Any, where: str) -> Any:
         if kind in _TEXT_PARTS:
             parts.append({"type": "text", "text": part.get("text") or part.get("refusal") or ""})
         elif kind == "input_image" and part.get("image_url"):
-            parts.append({"type": "image_url", "image_url": {"url": part["image_url"], "detail": part.get("detail") or "auto"}})
+            parts.append(
+                {"type": "image_url", "image_url": {"url": part["image_url"], "detail": part.get("detail") or "auto"}}
+            )
         else:
-            raise native.BadRequest(f"{where}[{j}]: content parts of type {kind!r} cannot be translated", param=f"{where}[{j}]")
+            raise native.BadRequest(
+                f"{where}[{j}]: content parts of type {kind!r} cannot be translated", param=f"{where}[{j}]"
+            )
     if all(p["type"] == "text" for p in parts):
         return "".join(p["text"] for p in parts)
     return parts
@@ -361,16 +395,37 @@ class _Answer:
             if kind == "reasoning":
                 index = self.add((kind, 0), {"id": _id("rs"), "type": "reasoning", "summary": [], "content": []})
             else:
-                item = {"id": _id("msg"), "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+                item = {
+                    "id": _id("msg"),
+                    "type": "message",
+                    "status": "in_progress",
+                    "role": "assistant",
+                    "content": [],
+                }
                 index = self.add((kind, 0), item)
-                self.emit("response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=_text_part(""))
+                self.emit(
+                    "response.content_part.added",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    part=_text_part(""),
+                )
             self.texts[index] = ""
         self.texts[index] += delta
         item_id = self.response["output"][index]["id"]
         if kind == "reasoning":
-            self.emit("response.reasoning_text.delta", item_id=item_id, output_index=index, content_index=0, delta=delta)
+            self.emit(
+                "response.reasoning_text.delta", item_id=item_id, output_index=index, content_index=0, delta=delta
+            )
         else:
-            self.emit("response.output_text.delta", item_id=item_id, output_index=index, content_index=0, delta=delta, logprobs=[])
+            self.emit(
+                "response.output_text.delta",
+                item_id=item_id,
+                output_index=index,
+                content_index=0,
+                delta=delta,
+                logprobs=[],
+            )
 
     def call(self, piece: dict[str, Any]) -> None:
         key = ("call", piece.get("index", 0))
@@ -378,15 +433,26 @@ class _Answer:
         if self.open != key:
             if key[1] in self.calls:
                 raise ValueError(f"the upstream continued tool call {key[1]} after another output had begun")
-            item = {"id": _id("fc"), "type": "function_call", "status": "in_progress", "arguments": "",
-                    "call_id": piece.get("id") or _id("call"), "name": function.get("name") or ""}
+            item = {
+                "id": _id("fc"),
+                "type": "function_call",
+                "status": "in_progress",
+                "arguments": "",
+                "call_id": piece.get("id") or _id("call"),
+                "name": function.get("name") or "",
+            }
             self.calls[key[1]] = self.add(key, item)
         elif function.get("name"):
             self.response["output"][-1]["name"] += function["name"]
         item = self.response["output"][-1]
         if arguments := function.get("arguments"):
             item["arguments"] += arguments
-            self.emit("response.function_call_arguments.delta", item_id=item["id"], output_index=self.calls[key[1]], delta=arguments)
+            self.emit(
+                "response.function_call_arguments.delta",
+                item_id=item["id"],
+                output_index=self.calls[key[1]],
+                delta=arguments,
+            )
 
     def close(self) -> None:
         """Finish the open item: its done events, with what the model produced in it."""
@@ -396,18 +462,32 @@ class _Answer:
         status = "incomplete" if self.finish_reason in _INCOMPLETE else "completed"
         if kind == "reasoning":
             text = self.texts[index]
-            self.emit("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0, text=text)
+            self.emit(
+                "response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0, text=text
+            )
             item["content"] = [{"type": "reasoning_text", "text": text}]
             if self.mint:
                 item["encrypted_content"] = native.mint_reasoning(text)
         elif kind == "message":
             text, part = self.texts[index], _text_part(self.texts[index])
-            self.emit("response.output_text.done", item_id=item["id"], output_index=index, content_index=0, text=text, logprobs=[])
+            self.emit(
+                "response.output_text.done",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                text=text,
+                logprobs=[],
+            )
             self.emit("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part)
             item.update(content=[part], status=status)
         else:
-            self.emit("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                      arguments=item["arguments"], name=item["name"])
+            self.emit(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=index,
+                arguments=item["arguments"],
+                name=item["name"],
+            )
             item["status"] = status
         self.emit("response.output_item.done", output_index=index, item=item)
         self.open = None
@@ -447,6 +527,8 @@ def _usage(usage: dict[str, Any]) -> dict[str, Any]:
             "cache_write_tokens": 0,
         },
         "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0},
+        "output_tokens_details": {
+            "reasoning_tokens": (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
+        },
         "total_tokens": usage.get("total_tokens") or prompt + completion,
     }

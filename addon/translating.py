@@ -101,9 +101,7 @@ def install() -> None:
     layer.HttpStream.handle_protocol_error = handle_protocol_error  # type: ignore[method-assign]
 
 
-def translate_request(
-    flow: http.HTTPFlow, ex: Exchange, headers: dict[str, str], options: native.Options
-) -> None:
+def translate_request(flow: http.HTTPFlow, ex: Exchange, headers: dict[str, str], options: native.Options) -> None:
     """Send a native call upstream as one Chat Completions call, with the token fields."""
     module = NATIVE[ex.api]
     try:
@@ -119,7 +117,13 @@ def translate_request(
         # The client gets its API's 400 without Python in it; the log and the record say what broke, in one line.
         frame = traceback.extract_tb(e.__traceback__)[-1]
         where = f"{Path(frame.filename).name}:{frame.lineno}"
-        log.error("polar: the %s translator failed on a request body (%s: %s at %s); answered 400", ex.api, type(e).__name__, e, where)
+        log.error(
+            "polar: the %s translator failed on a request body (%s: %s at %s); answered 400",
+            ex.api,
+            type(e).__name__,
+            e,
+            where,
+        )
         message = f"polar could not translate this request body: it does not have the shape the {ex.api} API documents"
         flow.response = json_response(400, module.error_body(400, message))
         ex.error = {"kind": "translate", "message": f"{type(e).__name__}: {e} (at {where})"}

@@ -100,7 +100,11 @@ class CaptureWriter:
         # Past the deadline each remaining batch gets one more try; encoding a large backlog takes time too.
         self._thread.join(timeout + 10.0)
         if self._thread.is_alive():
-            log.error("polar: the capture writer did not finish within %.0f s; %d bytes of records may be lost", timeout + 10, self._backlog)
+            log.error(
+                "polar: the capture writer did not finish within %.0f s; %d bytes of records may be lost",
+                timeout + 10,
+                self._backlog,
+            )
         self._close_fd()
         if self.unwritten:
             log.error("polar: %d records were NOT written to %s:", len(self.unwritten), self.directory)

@@ -123,10 +123,23 @@ class Config:
     """Seeds the server's sampling, the LoRA initialisation and the order of training data."""
 
     def __post_init__(self) -> None:
-        if min(self.samples, self.heldout_samples, self.concurrency, self.threads, self.max_turns, self.sft_steps,
-               self.grpo_steps) < 1 or self.rounds < 0:
-            raise ValueError("--samples, --heldout-samples, --concurrency, --threads, --max-turns, --sft-steps and "
-                             "--grpo-steps must be >= 1, --rounds >= 0")
+        if (
+            min(
+                self.samples,
+                self.heldout_samples,
+                self.concurrency,
+                self.threads,
+                self.max_turns,
+                self.sft_steps,
+                self.grpo_steps,
+            )
+            < 1
+            or self.rounds < 0
+        ):
+            raise ValueError(
+                "--samples, --heldout-samples, --concurrency, --threads, --max-turns, --sft-steps and "
+                "--grpo-steps must be >= 1, --rounds >= 0"
+            )
         if self.samples < 2:
             raise ValueError("--samples must be >= 2: GRPO compares the samples of a task with each other")
         if not self.tasks or not self.teach:
@@ -181,8 +194,9 @@ class Loop:
 
     def done(self, title: str, started: float, wrote: list[Path], commands: list[str]) -> None:
         seconds = time.monotonic() - started
-        self.phases.append({"phase": title, "seconds": round(seconds, 1), "commands": commands,
-                            "wrote": [shown(p) for p in wrote]})
+        self.phases.append(
+            {"phase": title, "seconds": round(seconds, 1), "commands": commands, "wrote": [shown(p) for p in wrote]}
+        )
         for path in wrote:
             console.print(f"[green]wrote[/] {shown(path)}", highlight=False)
         console.print(f"[dim]{title}: {seconds:.0f} s[/]")
@@ -194,12 +208,29 @@ def run_processes(*cmds: list[str | Path], logs: list[Path | None] | None = None
     procs = []
     try:
         for cmd, log in zip(cmds, logs or [None] * len(cmds), strict=True):
-            console.print(f"$ {command_line(cmd)}" + (f"  > {shown(log)}" if log else ""), style="dim", markup=False,
-                          highlight=False, soft_wrap=True)
+            console.print(
+                f"$ {command_line(cmd)}" + (f"  > {shown(log)}" if log else ""),
+                style="dim",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
             out = open(log, "w") if log else None  # noqa: SIM115 (closed with the process below)
             # A session of its own: the terminal's Ctrl-C reaches only the demo, which then stops the tree in order.
-            procs.append((cmd, subprocess.Popen([str(p) for p in cmd], cwd=ROOT, stdin=subprocess.DEVNULL, stdout=out,
-                                                stderr=out, start_new_session=True), out))
+            procs.append(
+                (
+                    cmd,
+                    subprocess.Popen(
+                        [str(p) for p in cmd],
+                        cwd=ROOT,
+                        stdin=subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=out,
+                        start_new_session=True,
+                    ),
+                    out,
+                )
+            )
         codes = [proc.wait() for _, proc, _ in procs]
     except BaseException:
         for _, proc, _ in procs:
@@ -231,8 +262,9 @@ def stop_tree(proc: subprocess.Popen) -> None:
 def load_adapter(server_url: str, name: str, adapter: Path) -> None:
     """vLLM's runtime LoRA route: requests for model ``name`` now use the adapter."""
     body = json.dumps({"lora_name": name, "lora_path": str(adapter)}).encode()
-    request = urllib.request.Request(f"{server_url}/v1/load_lora_adapter", data=body,
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{server_url}/v1/load_lora_adapter", data=body, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=300) as response:
         response.read()
 
@@ -240,8 +272,16 @@ def load_adapter(server_url: str, name: str, adapter: Path) -> None:
 def accelerate(script: str, config: Config, *args: str | Path) -> list[str | Path]:
     """A trainer launch; callers pass --no-gradient-checkpointing: a 135M model's activations fit in memory, and
     recomputing them costs a third more CPU time."""
-    return [Path(PY).parent / "accelerate", "launch", "--config_file", ROOT / "train/configs/cpu.yaml",
-            "--num_cpu_threads_per_process", str(config.threads), ROOT / "train" / script, *args]
+    return [
+        Path(PY).parent / "accelerate",
+        "launch",
+        "--config_file",
+        ROOT / "train/configs/cpu.yaml",
+        "--num_cpu_threads_per_process",
+        str(config.threads),
+        ROOT / "train" / script,
+        *args,
+    ]
 
 
 class Stages:
@@ -250,18 +290,45 @@ class Stages:
     def __init__(self, loop: Loop, config: Config, model: Path) -> None:
         self.loop, self.config, self.model = loop, config, model
 
-    def rollout_cmd(self, tasks: tuple[str, ...], samples: int, out: Path, model: str, proxy: str,
-                    capped: bool) -> list[str | Path]:
-        cmd = [PY, "-m", "eval", "rollout", "--tasks", "toy", "--instance-ids", *tasks, "--harness",
-               self.config.harness, "--samples", str(samples), "--out", out, "--model", model, "--timeout",
-               str(self.config.session_timeout), "--concurrency", str(self.config.concurrency),
-               "--proxy", proxy]
+    def rollout_cmd(
+        self, tasks: tuple[str, ...], samples: int, out: Path, model: str, proxy: str, capped: bool
+    ) -> list[str | Path]:
+        cmd = [
+            PY,
+            "-m",
+            "eval",
+            "rollout",
+            "--tasks",
+            "toy",
+            "--instance-ids",
+            *tasks,
+            "--harness",
+            self.config.harness,
+            "--samples",
+            str(samples),
+            "--out",
+            out,
+            "--model",
+            model,
+            "--timeout",
+            str(self.config.session_timeout),
+            "--concurrency",
+            str(self.config.concurrency),
+            "--proxy",
+            proxy,
+        ]
         cmd += ["--max-turns", str(self.config.max_turns)] if self.config.harness == "mini" else []
         capped = capped and self.config.max_tokens is not None
         return cmd + (["--max-tokens", str(self.config.max_tokens)] if capped else [])
 
-    def run(self, server: ReferenceServer, stage: str, model: str, groups: dict[str, tuple[tuple[str, ...], int]],
-            title: str) -> None:
+    def run(
+        self,
+        server: ReferenceServer,
+        stage: str,
+        model: str,
+        groups: dict[str, tuple[tuple[str, ...], int]],
+        title: str,
+    ) -> None:
         """Roll out each group of (tasks, samples) side by side, then grade them all and reconstruct the first."""
         run = self.loop.run
         started = self.loop.header(f"{title}: {self.config.harness} as model {model!r}")
@@ -270,8 +337,9 @@ class Stages:
             for i, (folder, (tasks, samples)) in enumerate(groups.items()):
                 if not tasks:
                     continue
-                proxy = stack.enter_context(Mitmdump(server.url, run / "captures" / folder,
-                                                     log=run / "logs" / f"mitmdump-{folder}.log"))
+                proxy = stack.enter_context(
+                    Mitmdump(server.url, run / "captures" / folder, log=run / "logs" / f"mitmdump-{folder}.log")
+                )
                 cmds.append(self.rollout_cmd(tasks, samples, run / folder, model, proxy.url, capped=stage != "teacher"))
                 logs.append(None if i == 0 else run / "logs" / f"rollout-{folder}.log")  # one live progress bar
                 wrote.append(run / folder / "sessions.parquet")
@@ -280,14 +348,28 @@ class Stages:
         score = [[PY, "-m", "eval", "score", run / f] for f in folders]
         main = run / folders[0]
         trajectories = main / "trajectories.parquet"
-        reconstruct = [PY, "-m", "reconstruct", run / "captures" / folders[0], "-o", trajectories, "--tokenizer",
-                       self.model, "--sessions", main / "sessions.parquet", "--no-progress"]
+        reconstruct = [
+            PY,
+            "-m",
+            "reconstruct",
+            run / "captures" / folders[0],
+            "-o",
+            trajectories,
+            "--tokenizer",
+            self.model,
+            "--sessions",
+            main / "sessions.parquet",
+            "--no-progress",
+        ]
         join = [PY, "-m", "eval", "join", trajectories, main, "-o", trajectories]
         for cmd in [*score, reconstruct, join]:
             run_processes(cmd)
-        self.loop.done(stage, started, [*wrote, *(run / f / "rewards.parquet" for f in folders), trajectories],
-                       [command_line(c).replace(server.url, "http://127.0.0.1:8000") for c in
-                        [*cmds, *score, reconstruct, join]])
+        self.loop.done(
+            stage,
+            started,
+            [*wrote, *(run / f / "rewards.parquet" for f in folders), trajectories],
+            [command_line(c).replace(server.url, "http://127.0.0.1:8000") for c in [*cmds, *score, reconstruct, join]],
+        )
 
 
 def main(config: Config) -> int:
@@ -298,9 +380,12 @@ def main(config: Config) -> int:
     run = (config.out / stamp).resolve()
     (run / "logs").mkdir(parents=True)
     loop = Loop(run, total=6 + 2 * config.rounds)
-    console.print(f"run folder {shown(run)}: {config.harness}; SFT on {len(config.teach)} teacher sessions, then "
-                  f"{config.rounds} GRPO round(s) on {len(config.tasks)} tasks x {config.samples} samples; "
-                  f"{len(config.heldout)} held-out task(s) x {config.heldout_samples}", highlight=False)
+    console.print(
+        f"run folder {shown(run)}: {config.harness}; SFT on {len(config.teach)} teacher sessions, then "
+        f"{config.rounds} GRPO round(s) on {len(config.tasks)} tasks x {config.samples} samples; "
+        f"{len(config.heldout)} held-out task(s) x {config.heldout_samples}",
+        highlight=False,
+    )
 
     t0 = loop.header("model")
     model = (config.model or build_smollm2(ROOT / "models" / "smollm2")).resolve()
@@ -314,12 +399,36 @@ def main(config: Config) -> int:
     with ReferenceServer(model, log=run / "logs" / "teacher-server.log", script=teacher_script) as teacher:
         stages.run(teacher, "teacher", model.name, {"teacher": (config.teach, 1)}, "teacher sessions (scripted)")
 
-    sft = accelerate("sft.py", config, "--trajectories", run / "teacher" / "trajectories.parquet", "--model", model,
-                     "--output", adapters / "sft", "--min-reward", "1", "--epochs", str(config.sft_steps), "--lr",
-                     str(config.sft_lr), "--min-lr-frac", "1", "--lora-r", str(config.lora_r), "--lora-alpha",
-                     str(2 * config.lora_r), "--max-len", str(config.max_len), "--micro-batch-tokens",
-                     str(2 * config.max_len), "--share-prefix", "--seed", str(config.seed),
-                     "--no-gradient-checkpointing")
+    sft = accelerate(
+        "sft.py",
+        config,
+        "--trajectories",
+        run / "teacher" / "trajectories.parquet",
+        "--model",
+        model,
+        "--output",
+        adapters / "sft",
+        "--min-reward",
+        "1",
+        "--epochs",
+        str(config.sft_steps),
+        "--lr",
+        str(config.sft_lr),
+        "--min-lr-frac",
+        "1",
+        "--lora-r",
+        str(config.lora_r),
+        "--lora-alpha",
+        str(2 * config.lora_r),
+        "--max-len",
+        str(config.max_len),
+        "--micro-batch-tokens",
+        str(2 * config.max_len),
+        "--share-prefix",
+        "--seed",
+        str(config.seed),
+        "--no-gradient-checkpointing",
+    )
     t0 = loop.header("SFT on the teacher sessions")
     run_processes(sft)
     loop.done("train sft", t0, [adapters / "sft"], [command_line(sft)])
@@ -332,34 +441,67 @@ def main(config: Config) -> int:
             if stage != "base":
                 if stage != "sft":  # GRPO on the previous stage's rollouts, continuing its adapter
                     grpo = accelerate(
-                        "grpo.py", config, "--trajectories", run / previous / "trajectories.parquet", "--model",
-                        model, "--adapter", adapters / previous, "--output", adapters / stage, "--groups-per-step",
-                        str(len(config.tasks)), "--epochs", str(config.grpo_steps), "--max-len", str(config.max_len),
-                        "--micro-batch-tokens", str(2 * config.max_len), "--share-prefix", "--lr", str(config.lr),
-                        "--scale-by-std" if config.scale_by_std else "--no-scale-by-std", "--seed",
-                        str(config.seed + k), "--save-every", "0", "--allow-no-signal",
-                        "--no-gradient-checkpointing")
+                        "grpo.py",
+                        config,
+                        "--trajectories",
+                        run / previous / "trajectories.parquet",
+                        "--model",
+                        model,
+                        "--adapter",
+                        adapters / previous,
+                        "--output",
+                        adapters / stage,
+                        "--groups-per-step",
+                        str(len(config.tasks)),
+                        "--epochs",
+                        str(config.grpo_steps),
+                        "--max-len",
+                        str(config.max_len),
+                        "--micro-batch-tokens",
+                        str(2 * config.max_len),
+                        "--share-prefix",
+                        "--lr",
+                        str(config.lr),
+                        "--scale-by-std" if config.scale_by_std else "--no-scale-by-std",
+                        "--seed",
+                        str(config.seed + k),
+                        "--save-every",
+                        "0",
+                        "--allow-no-signal",
+                        "--no-gradient-checkpointing",
+                    )
                     t0 = loop.header(f"GRPO round {k - 1} on the {previous} rollouts")
                     run_processes(grpo)
                     loop.done(f"train {stage}", t0, [adapters / stage], [command_line(grpo)])
                 load_adapter(server.url, stage, adapters / stage)
             name = model.name if stage == "base" else stage
-            stages.run(server, stage, name, {stage: (config.tasks, config.samples),
-                                             f"{stage}-heldout": (config.heldout, config.heldout_samples)},
-                       f"stage {stage}")
+            stages.run(
+                server,
+                stage,
+                name,
+                {stage: (config.tasks, config.samples), f"{stage}-heldout": (config.heldout, config.heldout_samples)},
+                f"stage {stage}",
+            )
             previous = stage
 
     loop.header("summary")
-    record = {"model": str(model), "config": _plain(config), "phases": loop.phases,
-              "seconds": round(time.monotonic() - started, 1)}
+    record = {
+        "model": str(model),
+        "config": _plain(config),
+        "phases": loop.phases,
+        "seconds": round(time.monotonic() - started, 1),
+    }
     numbers = demo_report.write_summary(run, record)
     console.print(f"[green]wrote[/] {shown(run / 'summary.json')}, {shown(run / 'report.html')}", highlight=False)
     console.print(demo_report.summary_table(numbers))
     console.print(demo_report.verdict_table(numbers))
     console.print(numbers["note"], highlight=False)
-    console.print(f"\n[bold]Rerun any phase alone[/] (from the repository root; the commands of each are in "
-                  f"{shown(run / 'summary.json')}), then recount: python -m eval.demo_report {shown(run)}",
-                  highlight=False, soft_wrap=True)
+    console.print(
+        f"\n[bold]Rerun any phase alone[/] (from the repository root; the commands of each are in "
+        f"{shown(run / 'summary.json')}), then recount: python -m eval.demo_report {shown(run)}",
+        highlight=False,
+        soft_wrap=True,
+    )
     return 0
 
 
@@ -379,6 +521,9 @@ if __name__ == "__main__":
         console.print("\n[yellow]interrupted: the phases and services were stopped[/]")
         sys.exit(130)
     except PhaseFailed as e:
-        console.print(f"[red]a phase failed[/] ({e}); its output is above, service logs in the run folder's logs/",
-                      highlight=False, soft_wrap=True)
+        console.print(
+            f"[red]a phase failed[/] ({e}); its output is above, service logs in the run folder's logs/",
+            highlight=False,
+            soft_wrap=True,
+        )
         sys.exit(1)

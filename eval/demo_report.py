@@ -123,8 +123,14 @@ def compare(before: dict[str, Any], after: dict[str, Any], what: str) -> dict[st
     p = fisher_exact(after["resolved"], after["graded"], before["resolved"], before["graded"])
     delta = (after["pass_rate"] or 0.0) - (before["pass_rate"] or 0.0)
     verdict = ("improved" if delta > 0 else "worse") if p < ALPHA else "no significant change"
-    return {"what": what, "from": before["stage"], "to": after["stage"], "delta": round(delta, 4),
-            "p_value": p, "verdict": f"{verdict} (p = {p:.2g})"}
+    return {
+        "what": what,
+        "from": before["stage"],
+        "to": after["stage"],
+        "delta": round(delta, 4),
+        "p_value": p,
+        "verdict": f"{verdict} (p = {p:.2g})",
+    }
 
 
 # ---- numbers
@@ -134,8 +140,11 @@ def _graded(run_dir: Path, stage: str) -> dict[str, Any]:
     """Resolved / graded sessions of one run folder, overall and per task, with intervals."""
     rewards_df = read_rewards(run_dir)
     resolved, graded = int(rewards_df["resolved"].fill_null(False).sum()), rewards_df.height
-    per_task = (rewards_df.group_by("task_id", maintain_order=True)
-                .agg(graded=pl.len(), resolved=pl.col("resolved").fill_null(False).sum()).sort("task_id"))
+    per_task = (
+        rewards_df.group_by("task_id", maintain_order=True)
+        .agg(graded=pl.len(), resolved=pl.col("resolved").fill_null(False).sum())
+        .sort("task_id")
+    )
     return {
         "stage": stage,
         "graded": graded,
@@ -207,8 +216,13 @@ def summary(run: Path) -> dict[str, Any]:
         tests.append(compare(stages["sft"], stages[grpo[-1]], "GRPO's own gain: last round against the SFT stage"))
         tests.append(compare(stages["base"], stages[grpo[-1]], "the whole loop: last round against the base model"))
     adapters = [a for a in ("sft", *grpo) if (run / "adapters" / a / "metrics.jsonl").is_file()]
-    return {"run": str(run), "stages": stages, "order": [m["stage"] for m in measured], "tests": tests,
-            "train": {a: train_numbers(run, a) for a in adapters}}
+    return {
+        "run": str(run),
+        "stages": stages,
+        "order": [m["stage"] for m in measured],
+        "tests": tests,
+        "train": {a: train_numbers(run, a) for a in adapters},
+    }
 
 
 def _rate(numbers: dict[str, Any] | None) -> str:
@@ -228,15 +242,19 @@ def note(numbers: dict[str, Any]) -> str:
         parts.append(f"SFT on the teacher sessions: {tests['base>sft']['verdict']}.")
     if grpo:
         t = tests[f"sft>{grpo[-1]}"]
-        parts.append(f"GRPO's own gain ({len(grpo)} round(s), {t['from']} -> {t['to']}, {t['delta']:+.0%}): "
-                     f"{t['verdict']}.")
+        parts.append(
+            f"GRPO's own gain ({len(grpo)} round(s), {t['from']} -> {t['to']}, {t['delta']:+.0%}): {t['verdict']}."
+        )
         no_signal = [a for a, tr in numbers["train"].items() if a.startswith("grpo") and tr["steps"] == 0]
         if no_signal:
             parts.append(f"{', '.join(no_signal)}: no group had reward variance, so that round trained nothing.")
     heldout = [s for s in order if stages[s].get("heldout")]
     if heldout:
-        parts.append("Held-out tasks (never trained on), as they came out: "
-                     + ", ".join(f"{s} {_rate(stages[s]['heldout'])}" for s in heldout) + ".")
+        parts.append(
+            "Held-out tasks (never trained on), as they came out: "
+            + ", ".join(f"{s} {_rate(stages[s]['heldout'])}" for s in heldout)
+            + "."
+        )
     return " ".join(parts)
 
 
@@ -269,7 +287,8 @@ def verdict_rows(numbers: dict[str, Any]) -> list[list[str]]:
         last = tr["per_step"][-1] if tr["per_step"] else {}
         if "groups" in tr:  # GRPO: its loss is 0 at a run's first step by construction (ratios 1, advantages sum 0)
             result = f", {tr['groups_with_signal']} of {tr['groups']} groups with a signal" + (
-                f", reward {last['reward/mean']:.2f}, grad norm {last['optim/grad_norm']:.3g}" if last else "")
+                f", reward {last['reward/mean']:.2f}, grad norm {last['optim/grad_norm']:.3g}" if last else ""
+            )
         else:
             result = f", last loss {last['loss/nll']:.4f}" if last else ""
         rows.append([f"train {adapter}", f"{tr['steps']} step(s){result}"])
@@ -303,8 +322,9 @@ def rewards(run: Path) -> pl.DataFrame:
         split = "teacher" if stage == "teacher" else "trained"
         for folder, split in ((stage, split), (f"{stage}-heldout", "held-out")):
             if (run / folder / "rewards.parquet").is_file():
-                frames.append(read_rewards(run / folder).with_columns(pl.lit(stage).alias("stage"),
-                                                                      pl.lit(split).alias("split")))
+                frames.append(
+                    read_rewards(run / folder).with_columns(pl.lit(stage).alias("stage"), pl.lit(split).alias("split"))
+                )
     return (
         pl.concat(frames)
         .group_by("stage", "split", "task_id", maintain_order=True)
@@ -376,9 +396,11 @@ def pass_rate_svg(numbers: dict[str, Any]) -> str:
     order, stages = numbers["order"], numbers["stages"]
     w, h, left, top, bottom = 120 * max(len(order), 1) + 160, 300, 48, 40, 40
     plot_h = h - top - bottom
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" '
-             'font-size="12">', f'<text x="{left}" y="20" font-size="14">pass@1 (the mean reward: 1 resolved, 0 not) '
-             'per stage, 95 % interval</text>']
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
+        f'<text x="{left}" y="20" font-size="14">pass@1 (the mean reward: 1 resolved, 0 not) '
+        "per stage, 95 % interval</text>",
+    ]
     for tick in (0.0, 0.25, 0.5, 0.75, 1.0):
         y = top + plot_h * (1 - tick)
         parts.append(f'<line x1="{left}" x2="{w - 160}" y1="{y}" y2="{y}" stroke="#ddd"/>')
@@ -394,8 +416,10 @@ def pass_rate_svg(numbers: dict[str, Any]) -> str:
             points.append(f"{x:.1f},{y:.1f}")
             y_hi, y_lo = top + plot_h * (1 - hi), top + plot_h * (1 - lo)
             parts.append(f'<line x1="{x}" x2="{x}" y1="{y_hi:.1f}" y2="{y_lo:.1f}" stroke="{color}" stroke-width="2"/>')
-            parts.append(f'<circle cx="{x}" cy="{y:.1f}" r="4" fill="{color}"><title>{escape(stage)} {split}: '
-                         f'{n["resolved"]}/{n["graded"]} [{lo:.2f}, {hi:.2f}]</title></circle>')
+            parts.append(
+                f'<circle cx="{x}" cy="{y:.1f}" r="4" fill="{color}"><title>{escape(stage)} {split}: '
+                f"{n['resolved']}/{n['graded']} [{lo:.2f}, {hi:.2f}]</title></circle>"
+            )
         if len(points) > 1:
             parts.append(f'<polyline points="{" ".join(points)}" fill="none" stroke="{color}" stroke-dasharray="3,3"/>')
     for i, stage in enumerate(order):
@@ -416,8 +440,10 @@ def metrics_svg(per_step: list[dict[str, Any]]) -> str:
             continue
         lo, hi = min(v for _, v in points), max(v for _, v in points)
         span, steps = (hi - lo) or 1.0, max(s for s, _ in points)
-        xy = [(pad + (w - 2 * pad) * (s - 1) / max(steps - 1, 1), h - pad - (h - 2 * pad) * (v - lo) / span)
-              for s, v in points]
+        xy = [
+            (pad + (w - 2 * pad) * (s - 1) / max(steps - 1, 1), h - pad - (h - 2 * pad) * (v - lo) / span)
+            for s, v in points
+        ]
         x0 = len(panels) * (w + 10)
         dots = "".join(f'<circle cx="{x0 + x:.1f}" cy="{y:.1f}" r="3" fill="#4e79a7"/>' for x, y in xy)
         line = " ".join(f"{x0 + x:.1f},{y:.1f}" for x, y in xy)
@@ -439,13 +465,20 @@ def metrics_svg(per_step: list[dict[str, Any]]) -> str:
 def report_html(numbers: dict[str, Any]) -> str:
     """report.html: the note, the summary table, the pass-rate chart, training metrics, and every phase's command."""
     head, *body = summary_rows(numbers)
-    table = "<tr>" + "".join(f"<th>{escape(c)}</th>" for c in head) + "</tr>" + "".join(
-        "<tr>" + "".join(f"<td>{escape(c)}</td>" for c in row) + "</tr>" for row in body
+    table = (
+        "<tr>"
+        + "".join(f"<th>{escape(c)}</th>" for c in head)
+        + "</tr>"
+        + "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in row) + "</tr>" for row in body)
     )
     verdicts = "".join(f"<tr><td>{escape(a)}</td><td>{escape(b)}</td></tr>" for a, b in verdict_rows(numbers))
     training = "".join(
-        f"<h3>{escape(a)}</h3>" + (metrics_svg(tr["per_step"]) if tr["per_step"] else
-                                   "<p>No optimizer step ran (no group had reward variance).</p>")
+        f"<h3>{escape(a)}</h3>"
+        + (
+            metrics_svg(tr["per_step"])
+            if tr["per_step"]
+            else "<p>No optimizer step ran (no group had reward variance).</p>"
+        )
         for a, tr in numbers["train"].items()
     )
     rerun = "".join(

@@ -148,8 +148,10 @@ class _Batch:
         batch's tensors alive."""
         n = int(self.mask[i].sum())
         copy = {"memory_format": torch.contiguous_format}
-        return n, [(x.keys[i : i + 1, :, -n:].clone(**copy), x.values[i : i + 1, :, -n:].clone(**copy))
-                   for x in self.cache.layers]
+        return n, [
+            (x.keys[i : i + 1, :, -n:].clone(**copy), x.values[i : i + 1, :, -n:].clone(**copy))
+            for x in self.cache.layers
+        ]
 
     def keep(self, rows: list[int]) -> None:
         """Keeps only the rows at these indices, then drops the padding columns that no remaining row needs."""

@@ -96,9 +96,7 @@ def join(trajectories: pl.DataFrame, run_dir: Path) -> tuple[pl.DataFrame, JoinS
 def main(args: Args) -> int:
     joined, stats = join(schema.read(args.trajectories), args.run_dir)
     schema.write(joined, args.output)
-    console.print(
-        f"{stats.traces} traces, {stats.run_traces} of this run's sessions, {stats.rewarded_traces} rewarded"
-    )
+    console.print(f"{stats.traces} traces, {stats.run_traces} of this run's sessions, {stats.rewarded_traces} rewarded")
     if stats.unrewarded_sessions:
         console.print(
             f"[yellow]{len(stats.unrewarded_sessions)} sessions have traces but no reward (left null): "

@@ -118,9 +118,13 @@ class Args:
         if self.command is not None and "{instruction}" not in self.command:
             raise ValueError(f"--command must contain {{instruction}}, where the task goes: {self.command!r}")
         if self.max_turns is not None and (self.harness != "mini" or self.max_turns < 1):
-            raise ValueError(f"--max-turns is a positive limit of the mini harness, got {self.max_turns} for {self.harness}")
+            raise ValueError(
+                f"--max-turns is a positive limit of the mini harness, got {self.max_turns} for {self.harness}"
+            )
         if self.transparent and self.harness not in NPM_HARNESSES:
-            raise ValueError(f"--transparent runs the npm harnesses ({', '.join(sorted(NPM_HARNESSES))}), not {self.harness}")
+            raise ValueError(
+                f"--transparent runs the npm harnesses ({', '.join(sorted(NPM_HARNESSES))}), not {self.harness}"
+            )
         if self.transparent and not (self.ca_cert and self.ca_cert.is_file()):
             raise ValueError(f"--transparent needs --ca-cert, the proxy's mitmproxy-ca-cert.pem; got {self.ca_cert}")
         if (self.out / SESSIONS).exists():
@@ -200,14 +204,29 @@ def roll_out(job: Job, args: Args, work_root: Path, logs: Path) -> dict[str, Any
     try:
         try:
             repo = checkout(job.task, work / "repo")  # at base_commit: checkout checks it
-            common = {"workspace": repo, "session_id": job.session_id, "model": args.model, "timeout": args.timeout,
-                      "tools": args.tools, "max_tokens": args.max_tokens, "home": work / "home"}
+            common = {
+                "workspace": repo,
+                "session_id": job.session_id,
+                "model": args.model,
+                "timeout": args.timeout,
+                "tools": args.tools,
+                "max_tokens": args.max_tokens,
+                "home": work / "home",
+            }
             if args.transparent:
                 assert args.ca_cert is not None
-                run = run_transparent(args.harness, instruction(job.task), proxy_url=args.proxy, ca_cert=args.ca_cert, **common)
+                run = run_transparent(
+                    args.harness, instruction(job.task), proxy_url=args.proxy, ca_cert=args.ca_cert, **common
+                )
             else:
-                run = run_harness(args.harness, instruction(job.task), base_url=args.proxy, command=args.command,
-                                  max_turns=args.max_turns, **common)
+                run = run_harness(
+                    args.harness,
+                    instruction(job.task),
+                    base_url=args.proxy,
+                    command=args.command,
+                    max_turns=args.max_turns,
+                    **common,
+                )
         except Exception as e:  # checkout or launch: the harness never ran
             row["error"] = f"{type(e).__name__}: {e}"[-ERROR_TAIL:]
             (log_dir / "setup_error.txt").write_text(traceback.format_exc())

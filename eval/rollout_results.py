@@ -88,7 +88,9 @@ def session_results(job_dir: Path, job: dict[str, Any], *, traces: bool) -> list
         elif grade_error is not None:
             result |= {"reward": 0.0, "resolved": False, "reason": "eval_error"}
         result |= counts.get(sid, {"calls": None, "incomplete_calls": None})
-        mine = trajectories.filter(pl.col("session_id") == sid).sort("chain_index") if trajectories is not None else None
+        mine = (
+            trajectories.filter(pl.col("session_id") == sid).sort("chain_index") if trajectories is not None else None
+        )
         result["n_traces"] = mine.height if mine is not None else None
         if traces:
             result["traces"] = [

@@ -135,8 +135,18 @@ def parse_submission(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the instance, the job parameters) of a ``POST /v1/jobs`` body; JobError naming the field otherwise."""
     if not isinstance(body, dict):
         raise JobError("the body must be a JSON object")
-    known = {"instance", "tasks", "instance_id", "harness", "samples", "timeout", "model", "max_tokens", "command",
-             "metadata"}
+    known = {
+        "instance",
+        "tasks",
+        "instance_id",
+        "harness",
+        "samples",
+        "timeout",
+        "model",
+        "max_tokens",
+        "command",
+        "metadata",
+    }
     if extra := sorted(set(body) - known):
         raise JobError(f"unknown fields {extra}; known: {sorted(known)}")
     if ("instance" in body) == ("instance_id" in body):
@@ -204,8 +214,17 @@ class Service:
         folder = self.root / job_id
         folder.mkdir()
         save_tasks([instance], folder / "instance.jsonl")
-        job = {"job_id": job_id, "status": "queued", "phase": None, "submitted_at": _now(), "started_at": None,
-               "finished_at": None, "params": params, "error": None, "phase_errors": {}}
+        job = {
+            "job_id": job_id,
+            "status": "queued",
+            "phase": None,
+            "submitted_at": _now(),
+            "started_at": None,
+            "finished_at": None,
+            "params": params,
+            "error": None,
+            "phase_errors": {},
+        }
         self._save(job)
         self._queue.put(job_id)
         return {"job_id": job_id, "status": "queued"}
@@ -234,8 +253,14 @@ class Service:
     def results(self, job_id: str, *, traces: bool) -> dict[str, Any]:
         job = self.job(job_id)
         sessions = session_results(self.root / job_id, job, traces=traces)
-        return {"job_id": job_id, "status": job["status"], "phase_errors": job["phase_errors"], "error": job["error"],
-                "trajectories": str(self.root / job_id / "trajectories.parquet"), "sessions": sessions}
+        return {
+            "job_id": job_id,
+            "status": job["status"],
+            "phase_errors": job["phase_errors"],
+            "error": job["error"],
+            "trajectories": str(self.root / job_id / "trajectories.parquet"),
+            "sessions": sessions,
+        }
 
     def counts(self) -> dict[str, int]:
         with self._lock:
@@ -266,10 +291,28 @@ class Service:
     def _run(self, job_id: str) -> tuple[str, str | None]:
         folder, params, py = self.root / job_id, self.job(job_id)["params"], sys.executable
         run = folder / "run"
-        rollout = [py, "-m", "eval", "rollout", "--tasks", str(folder / "instance.jsonl"), "--out", str(run),
-                   "--harness", params["harness"], "--samples", str(params["samples"]), "--proxy", self.args.proxy,
-                   "--model", params["model"], "--timeout", str(params["timeout"]),
-                   "--concurrency", str(self.args.session_concurrency)]
+        rollout = [
+            py,
+            "-m",
+            "eval",
+            "rollout",
+            "--tasks",
+            str(folder / "instance.jsonl"),
+            "--out",
+            str(run),
+            "--harness",
+            params["harness"],
+            "--samples",
+            str(params["samples"]),
+            "--proxy",
+            self.args.proxy,
+            "--model",
+            params["model"],
+            "--timeout",
+            str(params["timeout"]),
+            "--concurrency",
+            str(self.args.session_concurrency),
+        ]
         rollout += ["--command", params["command"]] if params["command"] is not None else []
         rollout += ["--max-tokens", str(params["max_tokens"])] if params["max_tokens"] is not None else []
         waves = -(-params["samples"] // self.args.session_concurrency)
@@ -284,8 +327,18 @@ class Service:
         self._update(job_id, phase="captures")
         copy_session_records(self.args.captures, run, folder / "captures.jsonl", folder / "captures.summary.json")
         traces = folder / "trajectories.parquet"
-        build = [py, "-m", "reconstruct", str(folder / "captures.jsonl"), "-o", str(traces), "--no-progress",
-                 "--sessions", str(run / "sessions.parquet"), "--allow-empty"]
+        build = [
+            py,
+            "-m",
+            "reconstruct",
+            str(folder / "captures.jsonl"),
+            "-o",
+            str(traces),
+            "--no-progress",
+            "--sessions",
+            str(run / "sessions.parquet"),
+            "--allow-empty",
+        ]
         build += ["--tokenizer", self.args.tokenizer] if self.args.tokenizer else []
         if self._phase(job_id, "reconstruct", build, PHASE_SLACK_S) is None and graded:
             join = [py, "-m", "eval", "join", str(traces), str(run), "-o", str(traces)]
@@ -300,8 +353,9 @@ class Service:
                 return "cancelled"
         self._update(job_id, phase=phase)
         with open(folder / f"{phase}.log", "wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
             with self._lock:
                 self._procs[job_id] = proc
                 cancelled = self._jobs[job_id]["status"] != "running"  # a cancel that came before the line above

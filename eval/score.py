@@ -218,8 +218,13 @@ def run_script(script: Path, repo: Path, env: dict[str, str], timeout: float, lo
     """Run ``bash script`` in ``repo``, output appended to ``log``; True when it was killed at the timeout."""
     with log.open("a") as out:
         proc = subprocess.Popen(
-            ["bash", str(script)], cwd=repo, env=env, stdin=subprocess.DEVNULL, stdout=out,
-            stderr=subprocess.STDOUT, start_new_session=True,
+            ["bash", str(script)],
+            cwd=repo,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         try:
             proc.wait(timeout=timeout)
@@ -248,8 +253,13 @@ def grade_docker(
     name = session_id.replace("/", "__")
     try:
         spec = make_test_spec(validate(task, "task"))
-        result = run_instance(spec, {"instance_id": spec.instance_id, "model_name_or_path": name,
-                                     "model_patch": patch}, client, run_id, int(timeout))
+        result = run_instance(
+            spec,
+            {"instance_id": spec.instance_id, "model_name_or_path": name, "model_patch": patch},
+            client,
+            run_id,
+            int(timeout),
+        )
     except Exception as e:  # a broken instance or a container failure costs this session only
         (log_dir / "eval.log").write_text(f"eval_error: {type(e).__name__}: {e}\n{traceback.format_exc()}")
         return _ungraded("eval_error")
@@ -272,16 +282,23 @@ def load_jobs(args: Args) -> tuple[Path, dict[str, dict], list[Job]]:
         tasks = load_tasks(args.run_dir / TASKS, check=False)
         sessions = read_sessions(args.run_dir)
         jobs = [
-            Job(row["session_id"], row["task_id"], row["sample_id"], row["harness"], row["patch"] or "",
-                row["status"] in HARNESS_FAILED)
+            Job(
+                row["session_id"],
+                row["task_id"],
+                row["sample_id"],
+                row["harness"],
+                row["patch"] or "",
+                row["status"] in HARNESS_FAILED,
+            )
             for row in sessions.iter_rows(named=True)
         ]
         return args.run_dir, {t["instance_id"]: t for t in tasks}, jobs
     assert args.tasks is not None and args.out is not None  # __post_init__
     if args.gold:
         tasks = load_tasks(args.tasks, check=False)
-        predictions = [{"instance_id": t["instance_id"], "model_name_or_path": "gold", "model_patch": t["patch"]}
-                       for t in tasks]
+        predictions = [
+            {"instance_id": t["instance_id"], "model_name_or_path": "gold", "model_patch": t["patch"]} for t in tasks
+        ]
     else:
         predictions = read_predictions(args.predictions)
         tasks = load_tasks(args.tasks, sorted({p["instance_id"] for p in predictions}), check=False)
@@ -328,8 +345,15 @@ def main(args: Args) -> int:
             return 1
 
         def run(job: Job, task: dict, log_dir: Path) -> Grade:
-            return grade_docker(task, job.patch, timeout=args.timeout, log_dir=log_dir, session_id=job.session_id,
-                                client=client, run_id=out_dir.name)
+            return grade_docker(
+                task,
+                job.patch,
+                timeout=args.timeout,
+                log_dir=log_dir,
+                session_id=job.session_id,
+                client=client,
+                run_id=out_dir.name,
+            )
     else:
 
         def run(job: Job, task: dict, log_dir: Path) -> Grade:
@@ -352,18 +376,26 @@ def main(args: Args) -> int:
 
     jobs = sorted(jobs, key=lambda job: job.session_id)
     grades: list[Grade] = []
-    with ThreadPoolExecutor(max_workers=min(args.concurrency, max(len(jobs), 1))) as pool, tqdm(
-        total=len(jobs), desc="grading", unit="session"
-    ) as progress:
+    with (
+        ThreadPoolExecutor(max_workers=min(args.concurrency, max(len(jobs), 1))) as pool,
+        tqdm(total=len(jobs), desc="grading", unit="session") as progress,
+    ):
         for result in pool.map(score, jobs):
             grades.append(result)
             progress.update()
             errors = sum(g.reason == "eval_error" for g in grades)
             progress.set_postfix(resolved=sum(g.resolved for g in grades), errors=errors)
     rows = [
-        {"session_id": job.session_id, "task_id": job.task_id, "sample_id": job.sample_id, "harness": job.harness,
-         "reward": g.reward, "resolved": g.resolved, "reason": g.reason,
-         "report": None if g.report is None else json.dumps(g.report, sort_keys=True)}
+        {
+            "session_id": job.session_id,
+            "task_id": job.task_id,
+            "sample_id": job.sample_id,
+            "harness": job.harness,
+            "reward": g.reward,
+            "resolved": g.resolved,
+            "reason": g.reason,
+            "report": None if g.report is None else json.dumps(g.report, sort_keys=True),
+        }
         for job, g in zip(jobs, grades)
     ]
     path = write_rewards(pl.DataFrame(rows, schema=REWARDS_SCHEMA), out_dir)

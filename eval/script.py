@@ -39,10 +39,16 @@ class Script:
         scripts = items if isinstance(items, dict) and items else {"*": items}
         for pattern, messages in scripts.items():
             if not (isinstance(messages, list) and messages):
-                raise ValueError(f"{path}: expected a non-empty JSON list or JSONL of assistant messages, or an "
-                                 f"object of such lists by session-id pattern (pattern {pattern!r})")
-        return cls({pattern: [_scripted_message(path, i, item) for i, item in enumerate(messages)]
-                    for pattern, messages in scripts.items()})
+                raise ValueError(
+                    f"{path}: expected a non-empty JSON list or JSONL of assistant messages, or an "
+                    f"object of such lists by session-id pattern (pattern {pattern!r})"
+                )
+        return cls(
+            {
+                pattern: [_scripted_message(path, i, item) for i, item in enumerate(messages)]
+                for pattern, messages in scripts.items()
+            }
+        )
 
     def take(self, session: str) -> dict[str, Any]:
         """The session's next message; KeyError when no pattern matches the session id."""

@@ -123,7 +123,12 @@ def _get(body: dict[str, Any], name: str, kind: type, default: Any = None) -> An
     return value
 
 
-SGLANG_FIELDS = ("return_prompt_token_ids", "return_meta_info", "return_input_ids_in_sglext", "return_output_ids_in_sglext")
+SGLANG_FIELDS = (
+    "return_prompt_token_ids",
+    "return_meta_info",
+    "return_input_ids_in_sglext",
+    "return_output_ids_in_sglext",
+)
 SGLANG_NOT_STREAMED = ("return_token_ids", "return_prompt_token_ids", "return_meta_info")
 
 
@@ -329,8 +334,12 @@ def completion_body(req: ChatRequest, prompt_ids: list[int], pieces: Iterator[Pi
             choice["response_token_ids"] = token_ids
         if req.sglang["return_meta_info"]:
             triples = [[e["logprob"], t, None] for e, t in zip(logprobs, token_ids)] if logprobs else None
-            choice["meta_info"] = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(token_ids),
-                                   "cached_tokens": 0, "output_token_logprobs": triples}
+            choice["meta_info"] = {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": len(token_ids),
+                "cached_tokens": 0,
+                "output_token_logprobs": triples,
+            }
     elif req.return_token_ids:
         choice["token_ids"] = token_ids
         body["prompt_token_ids"] = prompt_ids
@@ -411,8 +420,12 @@ class ResponsesCall:
         """The final response object with vLLM's token fields."""
         sampled = [p.token_id for p in self.pieces]
         if self.messages:
-            response["input_messages"] = [{"type": "raw_message_tokens", "message": decode(prompt_ids), "tokens": prompt_ids}]
-            response["output_messages"] = [{"type": "raw_message_tokens", "message": decode(sampled), "tokens": sampled}]
+            response["input_messages"] = [
+                {"type": "raw_message_tokens", "message": decode(prompt_ids), "tokens": prompt_ids}
+            ]
+            response["output_messages"] = [
+                {"type": "raw_message_tokens", "message": decode(sampled), "tokens": sampled}
+            ]
         if self.logprobs:
             text = [p.logprob for p in self.pieces if p.logprob and any(isinstance(e, Content) for e in p.events)]
             for item in response.get("output") or []:

@@ -65,7 +65,9 @@ def check_proxy(url: str, *, transparent: bool = False, timeout: float = 10.0) -
     except urllib.error.HTTPError as e:
         status, raw = e.code, e.read()
     except OSError as e:
-        raise ProxyNotRecording(f"the capture proxy {base} does not answer GET {HEALTH_PATH} ({e}); {hint}", answered=False) from e
+        raise ProxyNotRecording(
+            f"the capture proxy {base} does not answer GET {HEALTH_PATH} ({e}); {hint}", answered=False
+        ) from e
     try:
         health = json.loads(raw)
     except ValueError:

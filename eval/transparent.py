@@ -201,7 +201,9 @@ def main(command: Env | Run) -> None:
         return
     command.captures.mkdir(parents=True, exist_ok=True)
     log = command.captures / "mitmdump.log"
-    with TransparentMitmdump(command.upstream, command.captures, command.confdir.resolve(), log=log, polar_model=command.model) as mitm:
+    with TransparentMitmdump(
+        command.upstream, command.captures, command.confdir.resolve(), log=log, polar_model=command.model
+    ) as mitm:
         result = run_transparent(
             command.harness,
             command.prompt,

@@ -141,7 +141,11 @@ def _nothing_usable(captures: tuple[Path, ...], stats: Any) -> str:
     )
     dropped = ", ".join(f"{n:,} {why.replace('_', ' ')}" for why, n in sorted(stats.dropped.items()))
     hint = " (calls recorded without token ids need --tokenizer)" if "missing_ids" in stats.dropped else ""
-    return f"no usable model call in {where}: {found}" + (f", dropped: {dropped}{hint}" if dropped else "") + "; nothing written"
+    return (
+        f"no usable model call in {where}: {found}"
+        + (f", dropped: {dropped}{hint}" if dropped else "")
+        + "; nothing written"
+    )
 
 
 def _auto_jobs(captures: tuple[Path, ...]) -> int:

@@ -91,7 +91,15 @@ def reconstruct(
             # Contiguous batches, results taken in submission order: the table is the one a single process builds.
             size = max(1, len(names) // (jobs * 8))
             batches = [names[i : i + size] for i in range(0, len(names), size)]
-            work = [(files, {s: index.sessions[s] for s in b}, {s: (sessions or {}).get(s, (None, None)) for s in b}, options) for b in batches]
+            work = [
+                (
+                    files,
+                    {s: index.sessions[s] for s in b},
+                    {s: (sessions or {}).get(s, (None, None)) for s in b},
+                    options,
+                )
+                for b in batches
+            ]
             for batch, (batch_frames, part) in zip(batches, pool.map(_build_batch, work)):
                 frames += batch_frames
                 stats.add(part)

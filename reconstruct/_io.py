@@ -20,7 +20,15 @@ from reconstruct._errors import CaptureError, ConfigError
 from reconstruct._json import dumps, loads, loads_like_upstream
 from reconstruct._lines import HEAD_BYTES, RECORD_START, LineIndexer, LineRef, parse_head
 
-__all__ = ["CaptureIndex", "CaptureRecord", "discover", "has_upstream_request", "parse_record", "read_sessions", "write_text_atomic"]
+__all__ = [
+    "CaptureIndex",
+    "CaptureRecord",
+    "discover",
+    "has_upstream_request",
+    "parse_record",
+    "read_sessions",
+    "write_text_atomic",
+]
 
 BLOCK = 8 << 20
 

@@ -202,7 +202,9 @@ def _assemble(chain: list[Call], edges: list[Edge | None], cause: str | None) ->
 def vote_eot(calls: Iterable[Call]) -> int | None:
     """Without a tokenizer or ``--eot-token``: the last sampled id of most naturally stopped calls, when more
     than half of them agree (a lone vote is not trusted: an engine that omits the stop token would win it)."""
-    stopped = [c for c in calls if c.usable and c.complete and c.output_ids and c.finish_reason in ("stop", "tool_calls")]
+    stopped = [
+        c for c in calls if c.usable and c.complete and c.output_ids and c.finish_reason in ("stop", "tool_calls")
+    ]
     last = collections.Counter(c.output_ids[-1] for c in stopped if c.output_ids)
     if not last:
         return None

@@ -35,9 +35,7 @@ _OPEN_UPSTREAMS = ("vllm", "sglang")
 _OPTIONS = native.Options(model="", upstream="vllm")
 
 
-def _convert(
-    record: dict[str, Any], answer: Callable[[str, bool], dict[str, Any] | None]
-) -> dict[str, Any] | None:
+def _convert(record: dict[str, Any], answer: Callable[[str, bool], dict[str, Any] | None]) -> dict[str, Any] | None:
     """The chat-shaped record, or None when the request does not translate or the answer holds nothing."""
     request, text = record.get("request"), record.get("response_body")
     if not isinstance(request, dict) or not isinstance(text, str) or record.get("status") != 200:
@@ -123,7 +121,11 @@ def _responses_answer(text: str, streamed: bool) -> dict[str, Any] | None:
         elif item.get("type") == "reasoning":
             # The addon's own encrypted_content holds the full text; OpenAI's is opaque, its summary not sampled.
             own = native.read_reasoning(item.get("encrypted_content")) if item.get("encrypted_content") else None
-            reasoning += [own] if own is not None else [p.get("text") or "" for p in item.get("content") or [] if isinstance(p, dict)]
+            reasoning += (
+                [own]
+                if own is not None
+                else [p.get("text") or "" for p in item.get("content") or [] if isinstance(p, dict)]
+            )
         elif item.get("type") == "function_call":
             calls.append(_call(item.get("call_id"), item.get("name"), item.get("arguments")))
     incomplete = response.get("status") == "incomplete"

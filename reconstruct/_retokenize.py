@@ -24,9 +24,7 @@ class Retokenizer:
     def __init__(self, tokenizer: Any, eot_id: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.eot_id = eot_id if eot_id is not None else detect_eot(tokenizer)
-        self.eot_text = (
-            tokenizer.decode([self.eot_id], skip_special_tokens=False) if self.eot_id is not None else None
-        )
+        self.eot_text = tokenizer.decode([self.eot_id], skip_special_tokens=False) if self.eot_id is not None else None
 
     def render(
         self, messages: list[Any], tools: list[Any] | None, kwargs: dict[str, Any] | None, *, generation_prompt: bool
@@ -108,7 +106,9 @@ def detect_eot(tokenizer: Any) -> int | None:
         text = ""
     if _SENTINEL in text:
         special = set(tokenizer.all_special_ids)
-        special |= {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
+        special |= {
+            i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)
+        }
         tail = text[text.index(_SENTINEL) + len(_SENTINEL) :]
         for token in tokenizer.encode(tail, add_special_tokens=False):
             if token in special:

@@ -50,5 +50,7 @@ def tokens_of(record):
     events = sse_events(record["response_body"])
     prompt = events[0]["prompt_token_ids"]
     ids = [i for e in events for c in e["choices"] for i in c.get("token_ids") or []]
-    logprobs = [t["logprob"] for e in events for c in e["choices"] for t in (c.get("logprobs") or {}).get("content") or []]
+    logprobs = [
+        t["logprob"] for e in events for c in e["choices"] for t in (c.get("logprobs") or {}).get("content") or []
+    ]
     return prompt, ids, logprobs

@@ -89,8 +89,9 @@ class MicroBatch:
     member: torch.Tensor | None = None  # (T,) its trace within the family; -1 on the family's shared prefix
 
     def to(self, device: torch.device) -> MicroBatch:
-        return MicroBatch(**{f.name: None if (v := getattr(self, f.name)) is None else v.to(device)
-                             for f in dataclasses.fields(self)})
+        return MicroBatch(
+            **{f.name: None if (v := getattr(self, f.name)) is None else v.to(device) for f in dataclasses.fields(self)}
+        )
 
 
 def attention_mask(family: torch.Tensor, member: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -151,10 +152,11 @@ def load(paths: Sequence[Path], *, require_reward: bool = True, require_task: bo
         "no_task": df.filter(~has_task & has_reward)["session_id"].n_unique(),
     }
     df = df.filter(has_reward & has_task)
-    sessions = (
-        df.group_by("session_id", maintain_order=True)
-        .agg(pl.col("task_id").n_unique().alias("n_task"), pl.col("reward").n_unique().alias("n_reward"),
-             pl.col("task_id").first(), pl.col("reward").first())
+    sessions = df.group_by("session_id", maintain_order=True).agg(
+        pl.col("task_id").n_unique().alias("n_task"),
+        pl.col("reward").n_unique().alias("n_reward"),
+        pl.col("task_id").first(),
+        pl.col("reward").first(),
     )
     bad = sessions.filter((pl.col("n_task") > 1) | (pl.col("n_reward") > 1))
     if not bad.is_empty():
@@ -181,16 +183,23 @@ def load(paths: Sequence[Path], *, require_reward: bool = True, require_task: bo
 def _check_rows(df: pl.DataFrame) -> None:
     """Lengths that disagree, empty prompts, masks that are not 0/1, unusable captured log-probs."""
     checks = df.select(
-        "_file", "_row", "session_id",
+        "_file",
+        "_row",
+        "session_id",
         pl.col("prompt_ids").list.len().fill_null(0).alias("n_prompt"),
         pl.col("response_ids").list.len().fill_null(0).alias("n_response"),
         pl.col("loss_mask").list.len().fill_null(0).alias("n_mask"),
         pl.col("logprobs").list.len().alias("n_logprobs"),
-        ((pl.col("loss_mask").list.min() < 0) | (pl.col("loss_mask").list.max() > 1)).fill_null(False)
+        ((pl.col("loss_mask").list.min() < 0) | (pl.col("loss_mask").list.max() > 1))
+        .fill_null(False)
         .alias("bad_mask"),
-        pl.col("logprobs").list.eval(pl.element().is_finite().not_() | (pl.element() > 1e-3)).list.any()
-        .fill_null(False).alias("bad_logprobs"),
-        ((pl.col("prompt_ids").list.min() < 0) | (pl.col("response_ids").list.min() < 0)).fill_null(False)
+        pl.col("logprobs")
+        .list.eval(pl.element().is_finite().not_() | (pl.element() > 1e-3))
+        .list.any()
+        .fill_null(False)
+        .alias("bad_logprobs"),
+        ((pl.col("prompt_ids").list.min() < 0) | (pl.col("response_ids").list.min() < 0))
+        .fill_null(False)
         .alias("negative_id"),
         pl.any_horizontal(
             pl.col(c).list.eval(pl.element().is_null()).list.any().fill_null(False)
@@ -200,8 +209,10 @@ def _check_rows(df: pl.DataFrame) -> None:
     problems = [
         (pl.col("n_prompt") == 0, "empty prompt_ids (the first response token needs a context)"),
         (pl.col("n_response") != pl.col("n_mask"), "response_ids and loss_mask lengths differ"),
-        (pl.col("n_logprobs").is_not_null() & (pl.col("n_logprobs") != pl.col("n_response")),
-         "response_ids and logprobs lengths differ"),
+        (
+            pl.col("n_logprobs").is_not_null() & (pl.col("n_logprobs") != pl.col("n_response")),
+            "response_ids and logprobs lengths differ",
+        ),
         (pl.col("bad_mask"), "loss_mask holds values other than 0 and 1"),
         (pl.col("bad_logprobs"), "logprobs holds NaN, inf or positive values"),
         (pl.col("negative_id"), "negative token ids"),
@@ -325,8 +336,9 @@ def families(traces: Sequence[Trace], budget: int) -> list[tuple[int, list[int]]
     return found
 
 
-def rank_micro_batches(step_traces: Sequence[Trace], weights: np.ndarray, budget: int, rank: int, world: int,
-                       share_prefix: bool = False) -> list[MicroBatch]:
+def rank_micro_batches(
+    step_traces: Sequence[Trace], weights: np.ndarray, budget: int, rank: int, world: int, share_prefix: bool = False
+) -> list[MicroBatch]:
     """This rank's micro-batches of one optimizer step (the same count on every rank): the step's traces packed
     into ``budget``-token rows, dealt over ``world`` ranks; ``weights`` (M,) is each trace's per-token loss weight.
     ``share_prefix`` packs families of traces that begin alike, each shared prefix once (see the module doc)."""
@@ -335,13 +347,21 @@ def rank_micro_batches(step_traces: Sequence[Trace], weights: np.ndarray, budget
         sizes = [p + sum(len(step_traces[i].tokens) - p for i in members) for p, members in fams]
         bins = pack(sizes, budget)
         dealt = balance([sum(sizes[f] for f in b) for b in bins], world)[rank]
-        return [collate_shared([(fams[f][0], [step_traces[i] for i in fams[f][1]]) for f in bins[b]],
-                               [weights[i] for f in bins[b] for i in fams[f][1]])
-                if b is not None else collate([], []) for b in dealt]
+        return [
+            collate_shared(
+                [(fams[f][0], [step_traces[i] for i in fams[f][1]]) for f in bins[b]],
+                [weights[i] for f in bins[b] for i in fams[f][1]],
+            )
+            if b is not None
+            else collate([], [])
+            for b in dealt
+        ]
     bins = pack([len(t.tokens) for t in step_traces], budget)
     dealt = balance([sum(len(step_traces[i].tokens) for i in b) for b in bins], world)[rank]
-    return [collate([step_traces[i] for i in bins[b]], weights[bins[b]]) if b is not None else collate([], [])
-            for b in dealt]
+    return [
+        collate([step_traces[i] for i in bins[b]], weights[bins[b]]) if b is not None else collate([], [])
+        for b in dealt
+    ]
 
 
 def collate(traces: Sequence[Trace], weights: Sequence[float]) -> MicroBatch:
@@ -351,8 +371,9 @@ def collate(traces: Sequence[Trace], weights: Sequence[float]) -> MicroBatch:
     """
     if not traces:
         z = torch.zeros(0)
-        return MicroBatch(torch.zeros(1, 2, dtype=torch.long), torch.arange(2)[None], z.long(), z.long(), z, z, z,
-                          z.long())
+        return MicroBatch(
+            torch.zeros(1, 2, dtype=torch.long), torch.arange(2)[None], z.long(), z.long(), z, z, z, z.long()
+        )
     offsets = np.cumsum([0] + [len(t.tokens) for t in traces])  # (k+1,)
     tokens = np.concatenate([t.tokens for t in traces])  # (T,)
     positions = np.concatenate([np.arange(len(t.tokens)) for t in traces])  # (T,)

@@ -167,8 +167,17 @@ class Config:
     a demo or smoke run completes its loop whatever the rewards were."""
 
     def __post_init__(self) -> None:
-        positive = ("save_every", "groups_per_step", "epochs", "max_len", "micro_batch_tokens", "logprob_chunk",
-                    "lora_r", "lora_alpha", "max_bad_steps")
+        positive = (
+            "save_every",
+            "groups_per_step",
+            "epochs",
+            "max_len",
+            "micro_batch_tokens",
+            "logprob_chunk",
+            "lora_r",
+            "lora_alpha",
+            "max_bad_steps",
+        )
         for name in positive:
             if getattr(self, name) < (0 if name == "save_every" else 1):
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= {0 if name == 'save_every' else 1}")
@@ -185,8 +194,10 @@ class Config:
         if self.dr_grpo_tokens is not None and self.dr_grpo_tokens < 1:
             raise ConfigError("--dr-grpo-tokens must be >= 1")
         if self.share_prefix and self.attn_implementation not in (None, "sdpa", "eager"):
-            raise ConfigError(f"--share-prefix needs --attn-implementation sdpa or eager (a 4D attention mask), "
-                              f"not {self.attn_implementation}")
+            raise ConfigError(
+                f"--share-prefix needs --attn-implementation sdpa or eager (a 4D attention mask), "
+                f"not {self.attn_implementation}"
+            )
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ConfigError("--grad-clip must be > 0, or None")
 
@@ -208,10 +219,18 @@ class Policy(torch.nn.Module):
         # FSDP wraps the layers the model says must not be split (its decoder layers).
         self._no_split_modules = list(getattr(peft_model.get_base_model(), "_no_split_modules", None) or [])
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, sel: torch.Tensor, targets: torch.Tensor,
-                family: torch.Tensor | None = None, member: torch.Tensor | None = None, reference: bool = False,
-                with_entropy: bool = False, token_loss: TokenLoss | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        sel: torch.Tensor,
+        targets: torch.Tensor,
+        family: torch.Tensor | None = None,
+        member: torch.Tensor | None = None,
+        reference: bool = False,
+        with_entropy: bool = False,
+        token_loss: TokenLoss | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(logp, entropy, loss)`` of the ``sel`` positions' next tokens; loss only with ``token_loss``.
         ``family``/``member``: a shared-prefix micro-batch (train/data.py), attended through its own mask."""
         base = self.peft.get_base_model()
@@ -224,8 +243,9 @@ class Policy(torch.nn.Module):
             head = functools.partial(_softcapped, lm_head, cap)
         opts = {"chunk": self.chunk, "temperature": self.temperature, "with_entropy": with_entropy}
         with self.peft.disable_adapter() if reference else contextlib.nullcontext():
-            out = base.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                                     use_cache=False)
+            out = base.get_decoder()(
+                input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False
+            )
             hidden = out.last_hidden_state[0, sel]  # (N, H)
             if token_loss is None:
                 return *token_logprobs(hidden, targets, head, **opts), None
@@ -261,10 +281,20 @@ def load_policy(cfg: Config, mixed_precision: str) -> Policy:
             targets = list(cfg.lora_targets)
             if targets == ["all-linear"]:  # resolved here to leaf names (q_proj, ...), the form vLLM expects
                 head = base.get_output_embeddings()
-                targets = sorted({n.rsplit(".", 1)[-1] for n, m in base.get_decoder().named_modules()
-                                  if isinstance(m, torch.nn.Linear) and m is not head})
-            lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                              target_modules=targets, task_type="CAUSAL_LM")
+                targets = sorted(
+                    {
+                        n.rsplit(".", 1)[-1]
+                        for n, m in base.get_decoder().named_modules()
+                        if isinstance(m, torch.nn.Linear) and m is not head
+                    }
+                )
+            lora = LoraConfig(
+                r=cfg.lora_r,
+                lora_alpha=cfg.lora_alpha,
+                lora_dropout=cfg.lora_dropout,
+                target_modules=targets,
+                task_type="CAUSAL_LM",
+            )
             peft_model = get_peft_model(base, lora)
     return Policy(peft_model, cfg)
 
@@ -272,8 +302,15 @@ def load_policy(cfg: Config, mixed_precision: str) -> Policy:
 # ---- one micro-batch: forward, loss, backward (the bench times exactly this)
 
 
-def accumulate(accelerator: Accelerator, policy: torch.nn.Module, mb: MicroBatch, old_logp: torch.Tensor | None,
-               cfg: Config, importance: Any, stats: runtime.StepStats) -> float:
+def accumulate(
+    accelerator: Accelerator,
+    policy: torch.nn.Module,
+    mb: MicroBatch,
+    old_logp: torch.Tensor | None,
+    cfg: Config,
+    importance: Any,
+    stats: runtime.StepStats,
+) -> float:
     """Add one micro-batch's share of the step's loss gradient to ``.grad``; returns its loss contribution."""
     args = (mb.input_ids, mb.position_ids, mb.sel, mb.targets, mb.family, mb.member)
     ref_logp = None
@@ -300,8 +337,9 @@ def accumulate(accelerator: Accelerator, policy: torch.nn.Module, mb: MicroBatch
 # ---- planning: which traces form each micro-batch of each step, on this rank
 
 
-def rank_micro_batches(step_traces: list[Trace], cfg: Config, aggregate: losses.Aggregation, rank: int,
-                       world: int) -> list[MicroBatch]:
+def rank_micro_batches(
+    step_traces: list[Trace], cfg: Config, aggregate: losses.Aggregation, rank: int, world: int
+) -> list[MicroBatch]:
     """This rank's micro-batches of one optimizer step (same count on every rank); ``aggregate`` gives the weights."""
     sessions = np.array([t.session for t in step_traces])  # (M,)
     n_trained = np.array([len(t.trained) for t in step_traces])  # (M,)
@@ -326,15 +364,26 @@ def main(cfg: Config) -> None:
     # 1. Trajectories -> advantages per session -> trainable traces (usable groups, causal truncation)
     rollout = data.load(cfg.trajectories)
     group = np.unique(np.array(rollout.task_ids), return_inverse=True)[1]  # (S,)
-    adv, usable = losses.group_advantages(rollout.reward, group, scale_by_std=cfg.scale_by_std,
-                                          sample_std=cfg.sample_std)  # (S,), (S,)
+    adv, usable = losses.group_advantages(
+        rollout.reward, group, scale_by_std=cfg.scale_by_std, sample_std=cfg.sample_std
+    )  # (S,), (S,)
     n_groups, n_usable = len(np.unique(group)), len(np.unique(group[usable]))
     if n_usable == 0 and cfg.allow_no_signal:
-        print0(f"no usable group: all {n_groups} groups have equal rewards (or one session); writing the starting "
-               "adapter unchanged (--allow-no-signal)")
-        save_untrained(accelerator, cfg, {"step": 0, "data/sessions": len(rollout.session_ids),
-                       "data/traces": len(rollout.trace_session), "data/groups": n_groups,
-                       "reward/zero_std_frac": 1.0})
+        print0(
+            f"no usable group: all {n_groups} groups have equal rewards (or one session); writing the starting "
+            "adapter unchanged (--allow-no-signal)"
+        )
+        save_untrained(
+            accelerator,
+            cfg,
+            {
+                "step": 0,
+                "data/sessions": len(rollout.session_ids),
+                "data/traces": len(rollout.trace_session),
+                "data/groups": n_groups,
+                "reward/zero_std_frac": 1.0,
+            },
+        )
         return
     if n_usable == 0:
         raise DataError(f"no usable group: all {n_groups} groups have equal rewards (or one session); nothing to learn")
@@ -360,12 +409,16 @@ def main(cfg: Config) -> None:
         np.random.default_rng([cfg.seed, e]).permutation(len(plan)).tolist() for e in range(1, cfg.epochs)
     ]
     schedule = [p for epoch in order for p in epoch][: cfg.max_steps]  # plan index of each optimizer step
-    fingerprint = hashlib.sha256(json.dumps([[rollout.session_ids[s] for s in step] for step in plan] + [world])
-                                 .encode()).hexdigest()[:16]
+    fingerprint = hashlib.sha256(
+        json.dumps([[rollout.session_ids[s] for s in step] for step in plan] + [world]).encode()
+    ).hexdigest()[:16]
 
     aggregate = losses.AGGREGATIONS[cfg.loss_agg]  # the loss variants, picked once
-    importance = (functools.partial(losses.truncated_importance, cap=cfg.tis_cap) if cfg.tis_cap is not None
-                  else losses.no_importance)
+    importance = (
+        functools.partial(losses.truncated_importance, cap=cfg.tis_cap)
+        if cfg.tis_cap is not None
+        else losses.no_importance
+    )
 
     def micro_batches(p: int) -> list[MicroBatch]:
         return rank_micro_batches([t for s in plan[p] for t in by_session[s]], cfg, aggregate, rank, world)
@@ -393,8 +446,9 @@ def main(cfg: Config) -> None:
         for p in need_old:
             for j, mb in enumerate(micro_batches(p)):
                 mb = mb.to(device)
-                old[p, j] = policy(mb.input_ids, mb.position_ids, mb.sel, mb.targets, mb.family,
-                                  mb.member)[0].cpu()  # (N,)
+                old[p, j] = policy(mb.input_ids, mb.position_ids, mb.sel, mb.targets, mb.family, mb.member)[
+                    0
+                ].cpu()  # (N,)
     policy.train()
     if need_old:
         print0(f"pi_old log-probs for {len(need_old)} steps in {time.perf_counter() - t0:.1f} s")
@@ -403,24 +457,38 @@ def main(cfg: Config) -> None:
     if cfg.resume is not None:
         accelerator.load_state(str(cfg.resume), strict=False)  # the checkpoint holds only the adapter's weights
         if progress.plan != fingerprint:
-            raise ConfigError(f"{cfg.resume}: saved with other trajectories, seed, --groups-per-step or process "
-                              "count; resume with the same settings")
+            raise ConfigError(
+                f"{cfg.resume}: saved with other trajectories, seed, --groups-per-step or process "
+                "count; resume with the same settings"
+            )
         print0(f"resumed from {cfg.resume} after step {progress.step}")
     if accelerator.is_main_process:
         cfg.output.mkdir(parents=True, exist_ok=True)
         (cfg.output / "config.yaml").write_text(runtime.config_yaml(cfg))
-    log: runtime.MetricsLog | runtime.NoLog = (runtime.MetricsLog(cfg.output, progress.step if cfg.resume else None)
-                               if accelerator.is_main_process else runtime.NoLog())
+    log: runtime.MetricsLog | runtime.NoLog = (
+        runtime.MetricsLog(cfg.output, progress.step if cfg.resume else None)
+        if accelerator.is_main_process
+        else runtime.NoLog()
+    )
     if progress.step == 0:
         n_traces = len(rollout.trace_session)
-        log.log({"step": 0, "data/sessions": len(rollout.session_ids), "data/traces": n_traces,
-                 "data/groups": n_groups, "reward/zero_std_frac": 1 - n_usable / n_groups,
-                 "completions/truncated_frac": cut["truncated"] / n_traces,
-                 **{f"data/dropped_sessions_{k}": v for k, v in rollout.dropped_sessions.items()},
-                 **{f"data/skipped_traces_{k}": v for k, v in cut.items() if k != "truncated"}})
-    print0(f"{len(rollout.session_ids)} sessions in {n_groups} groups ({n_groups - n_usable} skipped: equal "
-           f"rewards), {len(traces)} traces to train ({cut}); {len(schedule)} steps of <= {cfg.groups_per_step} "
-           f"groups on {world} process(es)")
+        log.log(
+            {
+                "step": 0,
+                "data/sessions": len(rollout.session_ids),
+                "data/traces": n_traces,
+                "data/groups": n_groups,
+                "reward/zero_std_frac": 1 - n_usable / n_groups,
+                "completions/truncated_frac": cut["truncated"] / n_traces,
+                **{f"data/dropped_sessions_{k}": v for k, v in rollout.dropped_sessions.items()},
+                **{f"data/skipped_traces_{k}": v for k, v in cut.items() if k != "truncated"},
+            }
+        )
+    print0(
+        f"{len(rollout.session_ids)} sessions in {n_groups} groups ({n_groups - n_usable} skipped: equal "
+        f"rewards), {len(traces)} traces to train ({cut}); {len(schedule)} steps of <= {cfg.groups_per_step} "
+        f"groups on {world} process(es)"
+    )
 
     # 6. Steps: accumulate micro-batches, clip, update, log, checkpoint
     for k in range(progress.step, len(schedule)):
@@ -446,17 +514,30 @@ def main(cfg: Config) -> None:
         r = rollout.reward[sessions]  # (|B|,)
         seconds = time.perf_counter() - t0
         tokens = runtime.step_tokens(accelerator, mbs)
-        row = {"step": k + 1, "epoch": k // len(plan), "loss/total": loss, **row,
-               "optim/grad_norm": grad_norm, "optim/lr": scheduler.get_last_lr()[0],
-               "optim/skipped": int(progress.bad_steps > 0), "reward/mean": float(r.mean()),
-               "reward/std": float(r.std()), "reward/min": float(r.min()), "reward/max": float(r.max()),
-               "reward/adv_abs_mean": float(np.abs(adv[sessions]).mean()),
-               "reward/adv_mean": float(adv[sessions].mean()), "perf/step_s": seconds,
-               "perf/tokens": tokens, "perf/tokens_per_s": tokens / seconds}
+        row = {
+            "step": k + 1,
+            "epoch": k // len(plan),
+            "loss/total": loss,
+            **row,
+            "optim/grad_norm": grad_norm,
+            "optim/lr": scheduler.get_last_lr()[0],
+            "optim/skipped": int(progress.bad_steps > 0),
+            "reward/mean": float(r.mean()),
+            "reward/std": float(r.std()),
+            "reward/min": float(r.min()),
+            "reward/max": float(r.max()),
+            "reward/adv_abs_mean": float(np.abs(adv[sessions]).mean()),
+            "reward/adv_mean": float(adv[sessions].mean()),
+            "perf/step_s": seconds,
+            "perf/tokens": tokens,
+            "perf/tokens_per_s": tokens / seconds,
+        }
         log.log(row)
-        print0(f"step {k + 1}/{len(schedule)}  loss {loss:+.4f}  reward {r.mean():.3f}  "
-               f"clip {row['policy/clip_frac_low'] + row['policy/clip_frac_high']:.3f}  "
-               f"grad {grad_norm:.3g}  {row['perf/tokens_per_s']:.0f} tok/s")
+        print0(
+            f"step {k + 1}/{len(schedule)}  loss {loss:+.4f}  reward {r.mean():.3f}  "
+            f"clip {row['policy/clip_frac_low'] + row['policy/clip_frac_high']:.3f}  "
+            f"grad {grad_norm:.3g}  {row['perf/tokens_per_s']:.0f} tok/s"
+        )
         if progress.bad_steps:
             print0(f"step {k + 1} skipped: non-finite loss {loss} or gradient norm {grad_norm}")
             if progress.bad_steps >= cfg.max_bad_steps:

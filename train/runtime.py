@@ -63,8 +63,15 @@ class StepStats:
             self.lo[key] = torch.minimum(self.lo[key], lo) if key in self.lo else lo
             self.hi[key] = torch.maximum(self.hi[key], hi) if key in self.hi else hi
 
-    def add_tokens(self, mb: MicroBatch, logp: torch.Tensor, old_logp: torch.Tensor, entropy: torch.Tensor,
-                   parts: dict[str, torch.Tensor], cfg: Config) -> None:
+    def add_tokens(
+        self,
+        mb: MicroBatch,
+        logp: torch.Tensor,
+        old_logp: torch.Tensor,
+        entropy: torch.Tensor,
+        parts: dict[str, torch.Tensor],
+        cfg: Config,
+    ) -> None:
         adv, ratio, captured = mb.adv, parts["ratio"].detach(), ~torch.isnan(mb.behav_logp)  # (N,) each
         self.add("policy/entropy", entropy)
         self.add("policy/approx_kl", (ratio - 1) - (logp - old_logp))  # k3 of pi_old vs pi_theta
@@ -81,8 +88,12 @@ class StepStats:
     def finish(self, accelerator: Accelerator) -> dict[str, float]:
         keys, dev = sorted(self.sum), accelerator.device
         inf = torch.tensor(math.inf, dtype=torch.float64, device=dev)
-        totals = torch.stack([torch.stack([self.sum[k].to(dev), torch.tensor(float(self.count[k]), dtype=torch.float64,
-                              device=dev)]) for k in keys])  # (K, 2)
+        totals = torch.stack(
+            [
+                torch.stack([self.sum[k].to(dev), torch.tensor(float(self.count[k]), dtype=torch.float64, device=dev)])
+                for k in keys
+            ]
+        )  # (K, 2)
         ext = torch.stack([torch.stack([-self.lo.get(k, inf).to(dev), self.hi.get(k, -inf).to(dev)]) for k in keys])
         totals = accelerator.reduce(totals, "sum").cpu()  # (K, 2)
         ext = accelerator.gather(ext[None]).cpu().amax(0)  # (K, 2): -min, max over ranks
@@ -230,8 +241,9 @@ def parse_config(cls: type[C], argv: Sequence[str] | None, error: type[Exception
     return tyro.cli(cls, args=prefix + argv)
 
 
-def clip_and_reduce(accelerator: Accelerator, trainable: list[torch.nn.Parameter], grad_clip: float | None,
-                    loss: float) -> tuple[float, float, bool]:
+def clip_and_reduce(
+    accelerator: Accelerator, trainable: list[torch.nn.Parameter], grad_clip: float | None, loss: float
+) -> tuple[float, float, bool]:
     """After a step's backward passes (called by every rank): clip the global gradient norm, sum the loss over
     ranks, and say whether the step may be taken, ``(loss, grad_norm, finite)``. DeepSpeed reports no norm here
     (its engine has already stepped): then only the loss is checked."""

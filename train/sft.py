@@ -132,8 +132,16 @@ class Config:
     def __post_init__(self) -> None:
         if not self.trajectories:
             raise ConfigError("--trajectories needs at least one Parquet file")
-        for name in ("sessions_per_step", "epochs", "max_len", "micro_batch_tokens", "logprob_chunk", "lora_r",
-                     "lora_alpha", "max_bad_steps"):
+        for name in (
+            "sessions_per_step",
+            "epochs",
+            "max_len",
+            "micro_batch_tokens",
+            "logprob_chunk",
+            "lora_r",
+            "lora_alpha",
+            "max_bad_steps",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
         if self.max_steps is not None and self.max_steps < 1:
@@ -141,8 +149,10 @@ class Config:
         if self.max_len > self.micro_batch_tokens:
             raise ConfigError(f"--max-len {self.max_len} must fit --micro-batch-tokens {self.micro_batch_tokens}")
         if self.share_prefix and self.attn_implementation not in (None, "sdpa", "eager"):
-            raise ConfigError(f"--share-prefix needs --attn-implementation sdpa or eager (a 4D attention mask), "
-                              f"not {self.attn_implementation}")
+            raise ConfigError(
+                f"--share-prefix needs --attn-implementation sdpa or eager (a 4D attention mask), "
+                f"not {self.attn_implementation}"
+            )
         if self.min_reward is not None and not math.isfinite(self.min_reward):
             raise ConfigError(f"--min-reward must be finite, or None to keep every session; got {self.min_reward}")
         if self.lr <= 0 or self.warmup_steps < 0 or self.weight_decay < 0 or not 0 <= self.min_lr_frac <= 1:
@@ -176,8 +186,9 @@ def lr_factor(step: int, total: int, warmup_steps: int, min_lr_frac: float) -> f
     return min_lr_frac + (1 - min_lr_frac) * 0.5 * (1 + math.cos(math.pi * done))
 
 
-def rank_micro_batches(step_traces: list[Trace], aggregate: losses.Aggregation, cfg: Config, rank: int,
-                       world: int) -> list[MicroBatch]:
+def rank_micro_batches(
+    step_traces: list[Trace], aggregate: losses.Aggregation, cfg: Config, rank: int, world: int
+) -> list[MicroBatch]:
     """This rank's micro-batches of one optimizer step (same count on every rank), as grpo.py packs them."""
     sessions = np.array([t.session for t in step_traces])  # (M,)
     n_trained = np.array([len(t.trained) for t in step_traces])  # (M,)
@@ -191,8 +202,16 @@ def accumulate(accelerator: Accelerator, policy: torch.nn.Module, mb: MicroBatch
     def token_loss(logp: torch.Tensor, sl: slice) -> torch.Tensor:  # (c,) weighted NLL of tokens sl
         return -mb.weight[sl] * logp
 
-    logp, entropy, loss = policy(mb.input_ids, mb.position_ids, mb.sel, mb.targets, mb.family, mb.member,
-                                 with_entropy=True, token_loss=token_loss)  # (N,), (N,), ()
+    logp, entropy, loss = policy(
+        mb.input_ids,
+        mb.position_ids,
+        mb.sel,
+        mb.targets,
+        mb.family,
+        mb.member,
+        with_entropy=True,
+        token_loss=token_loss,
+    )  # (N,), (N,), ()
     # The weights are global (they sum to 1 over every rank's tokens), while DDP/FSDP/DeepSpeed average gradients
     # over ranks: scale back up so the step's gradient is that of the whole batch.
     accelerator.backward(loss * accelerator.num_processes)
@@ -219,9 +238,11 @@ def main(cfg: Config) -> None:
     n_sessions = len(rollout.session_ids)
     keep = rollout.reward >= cfg.min_reward if cfg.min_reward is not None else np.ones(n_sessions, bool)  # (S,)
     if not keep.any():
-        raise DataError(f"{', '.join(map(str, cfg.trajectories))}: no session has reward >= {cfg.min_reward} "
-                        f"({n_sessions} sessions, rewards {np.nanmin(rollout.reward):g} to "
-                        f"{np.nanmax(rollout.reward):g}); lower --min-reward")
+        raise DataError(
+            f"{', '.join(map(str, cfg.trajectories))}: no session has reward >= {cfg.min_reward} "
+            f"({n_sessions} sessions, rewards {np.nanmin(rollout.reward):g} to "
+            f"{np.nanmax(rollout.reward):g}); lower --min-reward"
+        )
     traces, cut = data.make_traces(rollout, np.zeros(n_sessions), keep, cfg.max_len)
     cut["below_min_reward"] = cut.pop("zero_std")  # make_traces counts the sessions left out under that name
     if not traces:
@@ -238,8 +259,11 @@ def main(cfg: Config) -> None:
     for t in traces:
         by_session[t.session].append(t)
     singletons = [[s] for s in sorted(by_session)]  # plan_steps keeps groups whole; here every session is its own
-    plan = [(e, step) for e in range(cfg.epochs)
-            for step in data.plan_steps(singletons, cfg.sessions_per_step, cfg.seed + e)][: cfg.max_steps]
+    plan = [
+        (e, step)
+        for e in range(cfg.epochs)
+        for step in data.plan_steps(singletons, cfg.sessions_per_step, cfg.seed + e)
+    ][: cfg.max_steps]
     aggregate = AGGREGATIONS[cfg.loss_agg]  # the loss variant, picked once
 
     trainable = [p for p in policy.parameters() if p.requires_grad]
@@ -255,14 +279,24 @@ def main(cfg: Config) -> None:
         (cfg.output / "config.yaml").write_text(runtime.config_yaml(cfg))
     log = runtime.MetricsLog(cfg.output, None) if accelerator.is_main_process else runtime.NoLog()
     n_traces, n_taught = len(rollout.trace_session), sum(len(t.trained) for t in traces)
-    log.log({"step": 0, "data/sessions": n_sessions, "data/kept_sessions": len(by_session), "data/traces": n_traces,
-             "data/taught_tokens": n_taught, "completions/truncated_frac": cut["truncated"] / n_traces,
-             **{f"data/dropped_sessions_{k}": v for k, v in rollout.dropped_sessions.items()},
-             **{f"data/skipped_traces_{k}": v for k, v in cut.items() if k != "truncated"}})
-    print0(f"{n_sessions} sessions, {len(by_session)} kept"
-           f"{f' (reward >= {cfg.min_reward})' if cfg.min_reward is not None else ''}: {len(traces)} traces, "
-           f"{n_taught} taught tokens ({cut}); {len(plan)} steps of <= {cfg.sessions_per_step} sessions "
-           f"on {world} process(es)")
+    log.log(
+        {
+            "step": 0,
+            "data/sessions": n_sessions,
+            "data/kept_sessions": len(by_session),
+            "data/traces": n_traces,
+            "data/taught_tokens": n_taught,
+            "completions/truncated_frac": cut["truncated"] / n_traces,
+            **{f"data/dropped_sessions_{k}": v for k, v in rollout.dropped_sessions.items()},
+            **{f"data/skipped_traces_{k}": v for k, v in cut.items() if k != "truncated"},
+        }
+    )
+    print0(
+        f"{n_sessions} sessions, {len(by_session)} kept"
+        f"{f' (reward >= {cfg.min_reward})' if cfg.min_reward is not None else ''}: {len(traces)} traces, "
+        f"{n_taught} taught tokens ({cut}); {len(plan)} steps of <= {cfg.sessions_per_step} sessions "
+        f"on {world} process(es)"
+    )
 
     # 4. Steps: accumulate micro-batches, clip, update, log
     bad_steps = 0
@@ -286,12 +320,23 @@ def main(cfg: Config) -> None:
 
         seconds = time.perf_counter() - t0
         tokens = runtime.step_tokens(accelerator, mbs)
-        row = {"step": k + 1, "epoch": epoch, "loss/nll": loss, **stats.finish(accelerator),
-               "optim/grad_norm": grad_norm, "optim/lr": lr, "optim/skipped": int(bad_steps > 0),
-               "perf/step_s": seconds, "perf/tokens": tokens, "perf/tokens_per_s": tokens / seconds}
+        row = {
+            "step": k + 1,
+            "epoch": epoch,
+            "loss/nll": loss,
+            **stats.finish(accelerator),
+            "optim/grad_norm": grad_norm,
+            "optim/lr": lr,
+            "optim/skipped": int(bad_steps > 0),
+            "perf/step_s": seconds,
+            "perf/tokens": tokens,
+            "perf/tokens_per_s": tokens / seconds,
+        }
         log.log(row)
-        print0(f"step {k + 1}/{len(plan)}  loss {loss:.4f}  nll/token {row['loss/token_nll']:.4f}  "
-               f"grad {grad_norm:.3g}  lr {lr:.2e}  {row['perf/tokens_per_s']:.0f} tok/s")
+        print0(
+            f"step {k + 1}/{len(plan)}  loss {loss:.4f}  nll/token {row['loss/token_nll']:.4f}  "
+            f"grad {grad_norm:.3g}  lr {lr:.2e}  {row['perf/tokens_per_s']:.0f} tok/s"
+        )
         if bad_steps:
             print0(f"step {k + 1} skipped: non-finite loss {loss} or gradient norm {grad_norm}")
             if bad_steps >= cfg.max_bad_steps:

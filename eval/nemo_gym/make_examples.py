@@ -47,10 +47,16 @@ class Args:
 
 def script(tasks: list[dict]) -> list[dict]:
     """One bash call that applies the gold patch on the first N_RESOLVED tasks (told apart by commit), then an answer."""
-    arms = "".join(f"{t['base_commit']}) git apply <<'EOF_GOLD'\n{t['patch']}EOF_GOLD\n;;\n" for t in tasks[:N_RESOLVED])
+    arms = "".join(
+        f"{t['base_commit']}) git apply <<'EOF_GOLD'\n{t['patch']}EOF_GOLD\n;;\n" for t in tasks[:N_RESOLVED]
+    )
     command = f'case "$(git rev-parse HEAD)" in\n{arms}*) printf "looked at it\\n" > NOTES.txt\n;;\nesac'
     return [
-        {"reasoning": "Apply the fix.", "content": None, "tool_calls": [{"name": "bash", "arguments": {"command": command}}]},
+        {
+            "reasoning": "Apply the fix.",
+            "content": None,
+            "tool_calls": [{"name": "bash", "arguments": {"command": command}}],
+        },
         {"content": "Done: the fix is in.", "tool_calls": []},
     ]
 
@@ -76,7 +82,9 @@ def main(args: Args) -> int:
         (tmp / "script.json").write_text(json.dumps(script(tasks)))
         with ReferenceServer(model, script=tmp / "script.json", log=tmp / "server.log") as server:
             with Mitmdump(server.url, tmp / "captures", log=tmp / "mitmdump.log") as proxy:
-                service_args = ServiceArgs(proxy=proxy.url, captures=tmp / "captures", root=tmp / "jobs", port=free_port())
+                service_args = ServiceArgs(
+                    proxy=proxy.url, captures=tmp / "captures", root=tmp / "jobs", port=free_port()
+                )
                 http, _ = serve(service_args)
                 threading.Thread(target=http.serve_forever, daemon=True).start()
                 client = ServiceClient(f"http://127.0.0.1:{service_args.port}", poll_s=0.5)
@@ -86,7 +94,9 @@ def main(args: Args) -> int:
                     job = submission(gym_row, harness="mini", model="tiny", timeout=300)
                     answer = verify_response(gym_row, client.run(job, deadline_s=900), model="tiny")
                     answer["polar"]["trajectories"] = None  # a temporary path: meaningless once committed
-                    print(f"{tasks[i]['instance_id']}: reward {answer['reward']}, mask {answer['polar']['mask_reasons']}")
+                    print(
+                        f"{tasks[i]['instance_id']}: reward {answer['reward']}, mask {answer['polar']['mask_reasons']}"
+                    )
                     return answer
 
                 with ThreadPoolExecutor(service_args.workers) as pool:
@@ -96,8 +106,11 @@ def main(args: Args) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "example.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (args.out / "example_rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rollouts))
-    meta = {"model": "python -m eval.models tiny", "tokenizer_sha256": tokenizer_sha,
-            "command": "python -m eval.nemo_gym.make_examples"}
+    meta = {
+        "model": "python -m eval.models tiny",
+        "tokenizer_sha256": tokenizer_sha,
+        "command": "python -m eval.nemo_gym.make_examples",
+    }
     (args.out / "example_rollouts.meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     print(f"wrote {args.out}/example.jsonl, example_rollouts.jsonl, example_rollouts.meta.json")
     return 0

@@ -7,8 +7,15 @@ import pytest
 from addon import anthropic, native
 
 OPTIONS = native.Options(model="", upstream="vllm")
-BASH = {"name": "Bash", "description": "Run a command.", "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}
-BASH_FUNCTION = {"type": "function", "function": {"name": "Bash", "parameters": BASH["input_schema"], "description": "Run a command."}}
+BASH = {
+    "name": "Bash",
+    "description": "Run a command.",
+    "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}},
+}
+BASH_FUNCTION = {
+    "type": "function",
+    "function": {"name": "Bash", "parameters": BASH["input_schema"], "description": "Run a command."},
+}
 
 
 def start(body, path="/v1/messages?beta=true", options=OPTIONS):
@@ -33,12 +40,21 @@ def test_claude_code_request():
         "max_tokens": 32000,
         "stream": True,
         "system": [
-            {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.a1f; cc_entrypoint=cli; cch=9f3e1;"},
+            {
+                "type": "text",
+                "text": "x-anthropic-billing-header: cc_version=2.1.197.a1f; cc_entrypoint=cli; cch=9f3e1;",
+            },
             {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
             {"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}},
         ],
         "messages": [
-            {"role": "user", "content": [{"type": "text", "text": "<system-reminder>ctx</system-reminder>"}, {"type": "text", "text": "fix it"}]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "<system-reminder>ctx</system-reminder>"},
+                    {"type": "text", "text": "fix it"},
+                ],
+            },
             {"role": "system", "content": "Agents: Explore."},
             {"role": "assistant", "content": [{"type": "text", "text": "On it."}]},
             {"role": "user", "content": [{"type": "text", "text": "go", "cache_control": {"type": "ephemeral"}}]},
@@ -54,7 +70,13 @@ def test_claude_code_request():
         "stream": True,
         "messages": [
             {"role": "system", "content": "You are Claude Code.\n\nBe brief.\n\nAgents: Explore."},
-            {"role": "user", "content": [{"type": "text", "text": "<system-reminder>ctx</system-reminder>"}, {"type": "text", "text": "fix it"}]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "<system-reminder>ctx</system-reminder>"},
+                    {"type": "text", "text": "fix it"},
+                ],
+            },
             {"role": "assistant", "content": "On it."},
             {"role": "user", "content": "go"},
         ],
@@ -67,7 +89,9 @@ def test_claude_code_request():
 def test_billing_line_is_stripped_from_a_string_system_prompt():
     body = {"system": "x-anthropic-billing-header: cch=1;\nYou are Claude Code.", "messages": [user()]}
     assert chat(body)["messages"][0] == {"role": "system", "content": "You are Claude Code."}
-    assert chat({"system": "Keep x-anthropic-billing-header: here", "messages": [user()]})["messages"][0]["content"].startswith("Keep")
+    assert chat({"system": "Keep x-anthropic-billing-header: here", "messages": [user()]})["messages"][0][
+        "content"
+    ].startswith("Keep")
 
 
 def test_history_with_thinking_and_two_tool_calls():
@@ -90,7 +114,12 @@ def test_history_with_thinking_and_two_tool_calls():
                 "role": "user",
                 "content": [
                     {"type": "tool_result", "tool_use_id": "toolu_1", "content": "a.txt"},
-                    {"type": "tool_result", "tool_use_id": "toolu_2", "is_error": True, "content": [{"type": "text", "text": "no such file"}]},
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_2",
+                        "is_error": True,
+                        "content": [{"type": "text", "text": "no such file"}],
+                    },
                     {"type": "text", "text": "and?"},
                 ],
             },
@@ -104,7 +133,11 @@ def test_history_with_thinking_and_two_tool_calls():
             "reasoning": "I should list, then read.",  # from our signature; the foreign ones are dropped
             "tool_calls": [
                 {"id": "toolu_1", "type": "function", "function": {"name": "Bash", "arguments": '{"command": "ls"}'}},
-                {"id": "toolu_2", "type": "function", "function": {"name": "Read", "arguments": '{"path": "ü.txt", "limit": 5}'}},
+                {
+                    "id": "toolu_2",
+                    "type": "function",
+                    "function": {"name": "Read", "arguments": '{"path": "ü.txt", "limit": 5}'},
+                },
             ],
         },
         {"role": "tool", "tool_call_id": "toolu_1", "content": "a.txt"},
@@ -126,7 +159,11 @@ def test_images_become_image_url_parts_and_tool_result_images_follow_the_tool_me
             {
                 "role": "user",
                 "content": [
-                    {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "shot:"}, {"type": "image", "source": png}]},
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "t1",
+                        "content": [{"type": "text", "text": "shot:"}, {"type": "image", "source": png}],
+                    },
                     {"type": "image", "source": {"type": "url", "url": "https://example.com/a.jpg"}},
                     {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "notes"}},
                     {"type": "text", "text": "compare"},
@@ -171,7 +208,14 @@ def test_tool_choice_is_dropped_without_tools():
 
 
 def test_sampling_parameters_and_model():
-    body = {"messages": [user()], "stop_sequences": ["END"], "temperature": 0.2, "top_p": 0.9, "top_k": 20, "metadata": {"user_id": "u"}}
+    body = {
+        "messages": [user()],
+        "stop_sequences": ["END"],
+        "temperature": 0.2,
+        "top_p": 0.9,
+        "top_k": 20,
+        "metadata": {"user_id": "u"},
+    }
     assert chat(body) == {
         "model": "claude-sonnet-4-5",
         "messages": [{"role": "user", "content": "hi"}],
@@ -183,7 +227,10 @@ def test_sampling_parameters_and_model():
     }
     served = start({"messages": [user()]}, options=native.Options(model="Qwen/Qwen3-4B", upstream="vllm"))
     assert served.chat_body["model"] == "Qwen/Qwen3-4B"
-    assert served.answer({"choices": [{"message": {"content": "x"}, "finish_reason": "stop"}]})["model"] == "claude-sonnet-4-5"
+    assert (
+        served.answer({"choices": [{"message": {"content": "x"}, "finish_reason": "stop"}]})["model"]
+        == "claude-sonnet-4-5"
+    )
 
 
 @pytest.mark.parametrize(
@@ -191,7 +238,10 @@ def test_sampling_parameters_and_model():
     [
         ({"thinking": {"type": "enabled", "budget_tokens": 2000}}, {"enable_thinking": True}),
         ({"thinking": {"type": "disabled"}}, {"enable_thinking": False}),
-        ({"thinking": {"type": "adaptive"}, "chat_template_kwargs": {"enable_thinking": False}}, {"enable_thinking": False}),
+        (
+            {"thinking": {"type": "adaptive"}, "chat_template_kwargs": {"enable_thinking": False}},
+            {"enable_thinking": False},
+        ),
         ({"chat_template_kwargs": {"custom": 1}}, {"custom": 1}),
         ({}, None),
     ],
@@ -213,11 +263,24 @@ def test_prefilled_answer_is_continued():
         ({"messages": [{"role": "user", "content": 5}]}, "/v1/messages", "string or an array"),
         ({"messages": [{"role": "user", "content": [{"type": "search_result"}]}]}, "/v1/messages", "search_result"),
         (
-            {"messages": [{"role": "user", "content": [{"type": "document", "source": {"type": "base64", "media_type": "application/pdf"}}]}]},
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "document", "source": {"type": "base64", "media_type": "application/pdf"}}
+                        ],
+                    }
+                ]
+            },
             "/v1/messages",
             "document blocks with a base64 source",
         ),
-        ({"messages": [{"role": "assistant", "content": [{"type": "server_tool_use"}]}]}, "/v1/messages", "server_tool_use"),
+        (
+            {"messages": [{"role": "assistant", "content": [{"type": "server_tool_use"}]}]},
+            "/v1/messages",
+            "server_tool_use",
+        ),
         ({"messages": [user()]}, "/v1/messages/batches", "batches"),
     ],
 )
@@ -240,7 +303,12 @@ HEAD = {"id": "chatcmpl-7f3a", "object": "chat.completion.chunk", "model": "serv
 
 
 def chunk(delta=None, *, finish=None, ids=(), **extra):
-    choice = {"index": 0, "delta": delta or {}, "logprobs": {"content": [{"token": "x", "logprob": -0.1}]}, "finish_reason": finish}
+    choice = {
+        "index": 0,
+        "delta": delta or {},
+        "logprobs": {"content": [{"token": "x", "logprob": -0.1}]},
+        "finish_reason": finish,
+    }
     return {**HEAD, "choices": [{**choice, "token_ids": list(ids), **extra}]}
 
 
@@ -259,7 +327,11 @@ TEXT = "I'll look."
 # reasoning -> text -> two tool calls; text split mid-word and mid-UTF-8 character boundaries, arguments
 # split mid-key, the second call's name arriving one piece after its id.
 CHUNKS = [
-    {**HEAD, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}], "prompt_token_ids": list(range(1, 8))},
+    {
+        **HEAD,
+        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+        "prompt_token_ids": list(range(1, 8)),
+    },
     chunk({"reasoning": "List fi"}, ids=[10]),
     chunk({"reasoning": "rst. Then read ü."}, ids=[11]),
     chunk({"content": ""}, ids=[12]),  # held back by a parser: ids only
@@ -298,8 +370,15 @@ def assemble(events):
         elif name == "content_block_delta":
             block, delta = message["content"][event["index"]], event["delta"]
             kind = delta.pop("type")
-            key = {"text_delta": "text", "thinking_delta": "thinking", "signature_delta": "signature", "input_json_delta": "_json"}[kind]
-            block[key] = (block[key] if kind != "signature_delta" else "") + delta[key if kind != "input_json_delta" else "partial_json"]
+            key = {
+                "text_delta": "text",
+                "thinking_delta": "thinking",
+                "signature_delta": "signature",
+                "input_json_delta": "_json",
+            }[kind]
+            block[key] = (block[key] if kind != "signature_delta" else "") + delta[
+                key if kind != "input_json_delta" else "partial_json"
+            ]
         elif name == "message_delta":
             message.update(event["delta"])
             message["usage"].update(event["usage"])
@@ -331,7 +410,10 @@ def test_stream_reasoning_text_two_tool_calls():
     assert [name for name, _ in parse(per_chunk[0])] == ["message_start", "ping"]
     assert parse(per_chunk[1])[-1][1]["delta"] == {"type": "thinking_delta", "thinking": "List fi"}
     assert per_chunk[3] == b""
-    assert [e["delta"]["type"] for _, e in parse(per_chunk[4]) if _ == "content_block_delta"] == ["signature_delta", "text_delta"]
+    assert [e["delta"]["type"] for _, e in parse(per_chunk[4]) if _ == "content_block_delta"] == [
+        "signature_delta",
+        "text_delta",
+    ]
     assert parse(per_chunk[8]) == []  # the second call has no name yet: its block cannot start
     assert [name for name, _ in parse(per_chunk[-1])][-2:] == ["message_delta", "message_stop"] and out[-1] == b""
 
@@ -349,12 +431,19 @@ def test_stream_reasoning_text_two_tool_calls():
         "model": "claude-sonnet-4-5",
         "stop_reason": "tool_use",
         "stop_sequence": None,
-        "usage": {"input_tokens": 7, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 9},
+        "usage": {
+            "input_tokens": 7,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+            "output_tokens": 9,
+        },
     }
 
 
 def test_stream_split_anywhere_in_the_bytes_gives_the_same_events():
-    wire = b"".join(b"data: " + json.dumps(c, ensure_ascii=False).encode() + b"\n\n" for c in CHUNKS) + b"data: [DONE]\n\n"
+    wire = (
+        b"".join(b"data: " + json.dumps(c, ensure_ascii=False).encode() + b"\n\n" for c in CHUNKS) + b"data: [DONE]\n\n"
+    )
     whole = start({"messages": [user()], "stream": True})
     expected = b"".join(run(whole, CHUNKS)[1])
     for size in (1, 3, 7, 64):
@@ -379,8 +468,16 @@ def test_stream_equals_the_non_streamed_answer():
                     "content": TEXT,
                     "reasoning": REASONING,
                     "tool_calls": [
-                        {"id": "chatcmpl-tool-aa1", "type": "function", "function": {"name": "Bash", "arguments": '{"command": "ls"}'}},
-                        {"id": "chatcmpl-tool-bb2", "type": "function", "function": {"name": "Read", "arguments": '{"path": "a.txt"}'}},
+                        {
+                            "id": "chatcmpl-tool-aa1",
+                            "type": "function",
+                            "function": {"name": "Bash", "arguments": '{"command": "ls"}'},
+                        },
+                        {
+                            "id": "chatcmpl-tool-bb2",
+                            "type": "function",
+                            "function": {"name": "Read", "arguments": '{"path": "a.txt"}'},
+                        },
                     ],
                 },
                 "finish_reason": "tool_calls",
@@ -405,9 +502,16 @@ def test_stream_without_a_usage_chunk_counts_token_ids():
 
 def test_usage_counts_cache_reads_apart():
     translation = start({"messages": [user()], "stream": True})
-    _, out = run(translation, [CHUNKS[0], chunk({"content": "hi"}, finish="stop"), usage_chunk(prompt=7, completion=1, cached=4)])
+    _, out = run(
+        translation, [CHUNKS[0], chunk({"content": "hi"}, finish="stop"), usage_chunk(prompt=7, completion=1, cached=4)]
+    )
     usage = assemble(parse(b"".join(out)))["usage"]
-    assert usage == {"input_tokens": 3, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 4, "output_tokens": 1}
+    assert usage == {
+        "input_tokens": 3,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 4,
+        "output_tokens": 1,
+    }
 
 
 @pytest.mark.parametrize(
@@ -435,7 +539,10 @@ def test_a_broken_stream_ends_with_an_error_event():
     translation = start({"messages": [user()], "stream": True})
     _, out = run(translation, CHUNKS[:5], complete=False)
     events = parse(b"".join(out))
-    assert events[-1] == ("error", {"type": "error", "error": {"type": "api_error", "message": "polar could not translate the upstream stream"}})
+    assert events[-1] == (
+        "error",
+        {"type": "error", "error": {"type": "api_error", "message": "polar could not translate the upstream stream"}},
+    )
     assert translation.events(CHUNKS[5]) == b"" and translation.finish(False) == b""
 
 
@@ -447,7 +554,12 @@ def test_a_stream_that_stops_before_its_finish_reason_is_an_error():
 
 def test_an_upstream_error_mid_stream_becomes_an_error_event():
     translation = start({"messages": [user()], "stream": True})
-    error = {"error": {"message": "This model's maximum context length is 4096 tokens. However, your request has 5000 input tokens.", "code": 400}}
+    error = {
+        "error": {
+            "message": "This model's maximum context length is 4096 tokens. However, your request has 5000 input tokens.",
+            "code": 400,
+        }
+    }
     out = translation.events(CHUNKS[0]) + translation.events(error)
     error = {"type": "invalid_request_error", "message": "prompt is too long: 5000 tokens > 4096 maximum"}
     assert parse(out)[-1] == ("error", {"type": "error", "error": error})
@@ -484,7 +596,9 @@ def test_reasoning_round_trip():
                     "message": {
                         "content": None,
                         "reasoning": REASONING,
-                        "tool_calls": [{"id": "call_1", "function": {"name": "Bash", "arguments": '{"command": "ls"}'}}],
+                        "tool_calls": [
+                            {"id": "call_1", "function": {"name": "Bash", "arguments": '{"command": "ls"}'}}
+                        ],
                     },
                     "finish_reason": "tool_calls",
                 }
@@ -492,13 +606,18 @@ def test_reasoning_round_trip():
         }
     )
     assert [b["type"] for b in answer["content"]] == ["thinking", "tool_use"]
-    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": answer["content"][1]["id"], "content": "a.txt"}]}
+    result = {
+        "role": "user",
+        "content": [{"type": "tool_result", "tool_use_id": answer["content"][1]["id"], "content": "a.txt"}],
+    }
     second = chat({"messages": [user(), {"role": "assistant", "content": answer["content"]}, result], "tools": [BASH]})
     assert second["messages"][1] == {
         "role": "assistant",
         "content": None,
         "reasoning": REASONING,
-        "tool_calls": [{"id": "toolu_1", "type": "function", "function": {"name": "Bash", "arguments": '{"command": "ls"}'}}],
+        "tool_calls": [
+            {"id": "toolu_1", "type": "function", "function": {"name": "Bash", "arguments": '{"command": "ls"}'}}
+        ],
     }
     assert second["messages"][2] == {"role": "tool", "tool_call_id": "toolu_1", "content": "a.txt"}
 
@@ -535,8 +654,14 @@ def test_error_types(status, kind):
             "5000 tokens: 4000 tokens from the input messages and 1000 tokens for the completion.",
             "input length and `max_tokens` exceed context limit: 4000 + 1000 > 4096, decrease input length or `max_tokens` and try again",
         ),
-        ("The decoder prompt (length 33000) is longer than the maximum model length of 32768.", "prompt is too long: 33000 tokens > 32768 maximum"),
-        ("The input (50000 tokens) is longer than the model's context length (40960 tokens).", "prompt is too long: 50000 tokens > 40960 maximum"),
+        (
+            "The decoder prompt (length 33000) is longer than the maximum model length of 32768.",
+            "prompt is too long: 33000 tokens > 32768 maximum",
+        ),
+        (
+            "The input (50000 tokens) is longer than the model's context length (40960 tokens).",
+            "prompt is too long: 50000 tokens > 40960 maximum",
+        ),
         ("'messages' must be a non-empty array", "'messages' must be a non-empty array"),
     ],
 )

@@ -36,7 +36,14 @@ SYSTEM = [
     {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.a1f; cc_entrypoint=cli; cch=9f3e1;"},
     {"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}},
 ]
-RAW_EVENTS = {"message_start", "content_block_start", "content_block_delta", "content_block_stop", "message_delta", "message_stop"}
+RAW_EVENTS = {
+    "message_start",
+    "content_block_start",
+    "content_block_delta",
+    "content_block_stop",
+    "message_delta",
+    "message_stop",
+}
 FIRST_TURN = [{"role": "user", "content": [{"type": "text", "text": "Write hi into out.txt."}]}]
 
 
@@ -73,7 +80,9 @@ def two_turns(c, *, stream):
         answers.append(message)
         calls = [b for b in message.content if b.type == "tool_use"]
         result = [{"type": "tool_result", "tool_use_id": b.id, "content": "(no output)"} for b in calls]
-        messages = messages + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]}]
+        messages = messages + [
+            {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]}
+        ]
         messages.append({"role": "user", "content": result or "ok"})
     return answers
 
@@ -96,7 +105,9 @@ def test_streamed_and_non_streamed_round_trips(proxy):
     first, second = buffered
     thinking, call = first.content
     assert first.model == MODEL and first.stop_reason == "tool_use" and first.id.startswith("msg_")
-    assert thinking.thinking == SCRIPT[0]["reasoning"] and thinking.signature == native.mint_reasoning(SCRIPT[0]["reasoning"])
+    assert thinking.thinking == SCRIPT[0]["reasoning"] and thinking.signature == native.mint_reasoning(
+        SCRIPT[0]["reasoning"]
+    )
     assert call.name == "Bash" and call.input == {"command": "echo hi > out.txt"} and call.id.startswith("toolu_")
     assert second.stop_reason == "end_turn" and [b.type for b in second.content] == ["thinking", "text"]
     assert second.content[1].text == SCRIPT[1]["content"]
@@ -104,14 +115,19 @@ def test_streamed_and_non_streamed_round_trips(proxy):
 
     for session, stream in (("sess-anthropic-s", True), ("sess-anthropic-n", False)):
         records = read_records(proxy.captures, session=session, expect=2)
-        assert [(r["api"], r["status"], r["complete"], r["streamed"]) for r in records] == [("anthropic", 200, True, stream)] * 2
+        assert [(r["api"], r["status"], r["complete"], r["streamed"]) for r in records] == [
+            ("anthropic", 200, True, stream)
+        ] * 2
         assert records[0]["request"]["model"] == MODEL and records[0]["path"].startswith("/v1/messages?beta=true")
         upstream = [r["upstream_request"] for r in records]
         assert upstream[0]["model"] == "tiny" and [t["function"]["name"] for t in upstream[0]["tools"]] == ["Bash"]
         assert upstream[0]["messages"][0] == {"role": "system", "content": "You are a coding agent."}  # no billing line
         # The signature sent back arrives upstream as the reasoning the model produced.
         assistant, tool = upstream[1]["messages"][2:4]
-        assert assistant["reasoning"] == SCRIPT[0]["reasoning"] and assistant["tool_calls"][0]["function"]["name"] == "Bash"
+        assert (
+            assistant["reasoning"] == SCRIPT[0]["reasoning"]
+            and assistant["tool_calls"][0]["function"]["name"] == "Bash"
+        )
         assert tool == {"role": "tool", "tool_call_id": assistant["tool_calls"][0]["id"], "content": "(no output)"}
         # Token fidelity: turn 2's prompt re-renders turn 1 exactly as sampled.
         (prompt0, ids0, _), (prompt1, ids1, _) = tokens_of(records[0]), tokens_of(records[1])

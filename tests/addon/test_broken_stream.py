@@ -53,7 +53,9 @@ def proxy(tmp_path_factory):
     server = ThreadingHTTPServer(("127.0.0.1", 0), Dying)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        with Mitmdump(f"http://127.0.0.1:{server.server_address[1]}", tmp / "captures", log=tmp / "mitmdump.log") as mitm:
+        with Mitmdump(
+            f"http://127.0.0.1:{server.server_address[1]}", tmp / "captures", log=tmp / "mitmdump.log"
+        ) as mitm:
             mitm.captures = tmp / "captures"
             yield mitm
     finally:
@@ -65,7 +67,9 @@ def received(url, body, session, headers=None):
     """Everything the client got before its connection ended, however it ended."""
     data = b""
     try:
-        with httpx.stream("POST", url, json=body, headers={"x-polar-session": session, **(headers or {})}, timeout=60) as r:
+        with httpx.stream(
+            "POST", url, json=body, headers={"x-polar-session": session, **(headers or {})}, timeout=60
+        ) as r:
             assert r.status_code == 200
             for piece in r.iter_raw():
                 data += piece

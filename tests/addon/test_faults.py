@@ -63,7 +63,10 @@ def test_refused_calls_are_counted_not_queued_with_their_bodies(addon, tctx, tmp
     for _ in range(20):
         flow = make_chat_flow(body=big)
         addon.request(flow)
-        assert flow.response.status_code == 503 and "not recording" in json.loads(flow.response.content)["error"]["message"]
+        assert (
+            flow.response.status_code == 503
+            and "not recording" in json.loads(flow.response.content)["error"]["message"]
+        )
         addon.response(flow)  # what mitmproxy calls next for an answer the addon gave
     flow = make_chat_flow(path="/v1/whatever")  # not a model call, but recorded when forwarded: refused too
     addon.request(flow)
@@ -79,7 +82,10 @@ def test_a_backlog_over_its_bound_refuses_model_calls(addon, tctx):
     addon.writer._backlog = 2 << 20  # as if 2 MiB of records waited on a slow disk
     flow = make_chat_flow()
     addon.request(flow)
-    assert flow.response.status_code == 503 and "wait to be written" in json.loads(flow.response.content)["error"]["message"]
+    assert (
+        flow.response.status_code == 503
+        and "wait to be written" in json.loads(flow.response.content)["error"]["message"]
+    )
     addon.writer._backlog = 0
     flow = make_chat_flow()
     addon.request(flow)
@@ -146,8 +152,16 @@ def test_shutdown_on_a_full_disk_is_bounded_and_names_every_record_it_lost(addon
 
 
 def test_an_exchange_handed_over_at_shutdown_is_still_written(addon, tctx, tmp_path):
-    ex = Exchange(session_id="late", session_source="header", api="chat", upstream="vllm", method="POST",
-                  path="/v1/chat/completions", t_start=time.time(), request_headers={})
+    ex = Exchange(
+        session_id="late",
+        session_source="header",
+        api="chat",
+        upstream="vllm",
+        method="POST",
+        path="/v1/chat/completions",
+        t_start=time.time(),
+        request_headers={},
+    )
     addon._handing_over[ex.id] = ex  # the response hook ran; the loop step that hands it over did not
     addon.done()
     assert [r["session_id"] for r in read_records(tmp_path / "captures")] == ["late"]
@@ -197,7 +211,9 @@ def test_json_nested_too_deep_is_answered_400_and_recorded(addon, tctx, tmp_path
 
 
 def test_a_request_hook_failure_answers_the_model_call_instead_of_forwarding_it(addon, tctx, tmp_path, monkeypatch):
-    monkeypatch.setattr(polar.translating, "translate_request", lambda *a: (_ for _ in ()).throw(RecursionError("deep")))
+    monkeypatch.setattr(
+        polar.translating, "translate_request", lambda *a: (_ for _ in ()).throw(RecursionError("deep"))
+    )
     flow = make_chat_flow(path="/v1/messages", body={"model": "m", "max_tokens": 5, "messages": []})
     addon.request(flow)
     assert flow.response.status_code == 400 and json.loads(flow.response.content)["type"] == "error"
@@ -338,8 +354,16 @@ def test_a_lean_parse_accepts_exactly_what_json_loads_accepts():
 
 def test_a_lean_parse_leaves_out_only_large_bulk_members():
     big = "x" * 100_000
-    data = json.dumps({"model": "m", "messages": [{"role": "user", "content": big}], "tools": [], "stream": True,
-                       "stream_options": {"include_usage": False}, "system": big}).encode()
+    data = json.dumps(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": big}],
+            "tools": [],
+            "stream": True,
+            "stream_options": {"include_usage": False},
+            "system": big,
+        }
+    ).encode()
     body = polar.Body.parse(data, lean_over=0)
     assert body.lean and body.value["messages"] is ELIDED and body.value["system"] is ELIDED
     assert body.value["tools"] == [] and body.value["stream_options"] == {"include_usage": False}

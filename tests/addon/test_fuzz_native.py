@@ -196,7 +196,11 @@ def test_every_type_mutation_is_translated_or_refused_with_a_400_naming_the_fiel
         except native.BadRequest as e:
             refused += 1
             message = str(e)
-            assert message and str(where[0]) in message.replace("thinking_config", "thinkingConfig"), (where, value, message)
+            assert message and str(where[0]) in message.replace("thinking_config", "thinkingConfig"), (
+                where,
+                value,
+                message,
+            )
             error = module.error_body(400, message)
             assert json.dumps(error) and message in json.dumps(error)
         except Exception as e:  # noqa: BLE001 - the point: nothing else may escape
@@ -212,13 +216,22 @@ def test_a_field_of_the_wrong_kind_is_named_in_each_api_s_words():
         body = copy.deepcopy(CLAUDE_CODE)
         body["messages"][0]["content"][1]["source"] = "x"
         anthropic.start(body, "/v1/messages", {}, OPTIONS)
-    with pytest.raises(native.BadRequest, match=r"^Invalid type for 'input\[3\]\.content\[0\]\.text': expected a string, but got a number instead\.$") as raised:
+    with pytest.raises(
+        native.BadRequest,
+        match=r"^Invalid type for 'input\[3\]\.content\[0\]\.text': expected a string, but got a number instead\.$",
+    ) as raised:
         body = copy.deepcopy(CODEX)
         body["input"][3]["content"][0]["text"] = 5
         responses.start(body, "/v1/responses", {}, OPTIONS)
     assert raised.value.param == "input[3].content[0].text"
-    assert responses.error_body(400, str(raised.value), param=raised.value.param)["error"]["param"] == "input[3].content[0].text"
-    with pytest.raises(native.BadRequest, match=r"^Invalid value at 'tools\[0\]\.functionDeclarations': expected an array of objects, got an object$"):
+    assert (
+        responses.error_body(400, str(raised.value), param=raised.value.param)["error"]["param"]
+        == "input[3].content[0].text"
+    )
+    with pytest.raises(
+        native.BadRequest,
+        match=r"^Invalid value at 'tools\[0\]\.functionDeclarations': expected an array of objects, got an object$",
+    ):
         google.start({**GEMINI_CLI, "tools": [{"function_declarations": {}}]}, APIS["google"][2], {}, OPTIONS)
 
 
@@ -228,10 +241,22 @@ WIRE = [
     ("/v1/messages", {**CLAUDE_CODE, "system": 5}, "system"),
     ("/v1/messages", {**CLAUDE_CODE, "tools": [{"name": "Bash", "input_schema": 5}]}, "tools.0.input_schema"),
     ("/v1/messages", {**CLAUDE_CODE, "tool_choice": {"type": []}}, "tool_choice.type"),
-    ("/v1/messages", {**CLAUDE_CODE, "messages": [{"role": "user", "content": [{"type": "image", "source": 5}]}]}, "messages.0.content.0.source"),
+    (
+        "/v1/messages",
+        {**CLAUDE_CODE, "messages": [{"role": "user", "content": [{"type": "image", "source": 5}]}]},
+        "messages.0.content.0.source",
+    ),
     ("/v1/responses", {**CODEX, "tools": {"type": "function"}}, "tools"),
-    ("/v1/responses", {**CODEX, "input": [{"type": "reasoning", "encrypted_content": 5}]}, "input[0].encrypted_content"),
-    ("/v1beta/models/g:generateContent", {**GEMINI_CLI, "tools": [{"functionDeclarations": 5}]}, "tools[0].functionDeclarations"),
+    (
+        "/v1/responses",
+        {**CODEX, "input": [{"type": "reasoning", "encrypted_content": 5}]},
+        "input[0].encrypted_content",
+    ),
+    (
+        "/v1beta/models/g:generateContent",
+        {**GEMINI_CLI, "tools": [{"functionDeclarations": 5}]},
+        "tools[0].functionDeclarations",
+    ),
 ]
 
 
@@ -265,7 +290,9 @@ def test_a_translator_bug_is_a_400_without_exception_text(monkeypatch):
     monkeypatch.setattr(anthropic, "start", broken)
     flow = tflow.tflow()
     flow.request.path = "/v1/messages"
-    ex = type("Ex", (), {"api": "anthropic", "path": "/v1/messages", "request": type("B", (), {"value": {}})(), "error": None})()
+    ex = type(
+        "Ex", (), {"api": "anthropic", "path": "/v1/messages", "request": type("B", (), {"value": {}})(), "error": None}
+    )()
     translating.translate_request(flow, ex, {}, OPTIONS)
     assert flow.response.status_code == 400
     body = json.loads(flow.response.content)

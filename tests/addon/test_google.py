@@ -34,7 +34,10 @@ def gemini_cli_body():
                 "role": "model",
                 "parts": [
                     {"text": THOUGHTS, "thought": True},  # kept by a client that keeps thoughts; the signature wins
-                    {"functionCall": {"name": "run_shell_command", "args": {"command": "echo hi > out.txt"}}, "thoughtSignature": google.mint_signature(THOUGHTS)},
+                    {
+                        "functionCall": {"name": "run_shell_command", "args": {"command": "echo hi > out.txt"}},
+                        "thoughtSignature": google.mint_signature(THOUGHTS),
+                    },
                     {"functionCall": {"name": "read_file", "args": {"path": "out.txt"}}},
                 ],
             },
@@ -42,8 +45,20 @@ def gemini_cli_body():
                 "role": "user",
                 "parts": [
                     # Gemini CLI invents ids of its own (name-time-random) that no call carried.
-                    {"functionResponse": {"id": "read_file-1-abc", "name": "read_file", "response": {"output": "hi\n"}}},
-                    {"functionResponse": {"id": "run_shell_command-1-def", "name": "run_shell_command", "response": {"output": ""}}},
+                    {
+                        "functionResponse": {
+                            "id": "read_file-1-abc",
+                            "name": "read_file",
+                            "response": {"output": "hi\n"},
+                        }
+                    },
+                    {
+                        "functionResponse": {
+                            "id": "run_shell_command-1-def",
+                            "name": "run_shell_command",
+                            "response": {"output": ""},
+                        }
+                    },
                 ],
             },
         ],
@@ -54,7 +69,11 @@ def gemini_cli_body():
                     SHELL,
                     {
                         "name": "read_file",
-                        "parameters": {"type": "OBJECT", "properties": {"path": {"type": "STRING", "description": "File."}}, "required": ["path"]},
+                        "parameters": {
+                            "type": "OBJECT",
+                            "properties": {"path": {"type": "STRING", "description": "File."}},
+                            "required": ["path"],
+                        },
                     },
                 ]
             },
@@ -89,8 +108,16 @@ def test_gemini_cli_request_becomes_one_chat_request():
                 "content": None,
                 "reasoning": THOUGHTS,
                 "tool_calls": [
-                    {"id": "call_3_0", "type": "function", "function": {"name": "run_shell_command", "arguments": '{"command": "echo hi > out.txt"}'}},
-                    {"id": "call_3_1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "out.txt"}'}},
+                    {
+                        "id": "call_3_0",
+                        "type": "function",
+                        "function": {"name": "run_shell_command", "arguments": '{"command": "echo hi > out.txt"}'},
+                    },
+                    {
+                        "id": "call_3_1",
+                        "type": "function",
+                        "function": {"name": "read_file", "arguments": '{"path": "out.txt"}'},
+                    },
                 ],
             },
             # Matched by name and order, not by the ids the client made up.
@@ -98,12 +125,23 @@ def test_gemini_cli_request_becomes_one_chat_request():
             {"role": "tool", "tool_call_id": "call_3_0", "content": '{"output": ""}'},
         ],
         "tools": [
-            {"type": "function", "function": {"name": "run_shell_command", "description": "Runs a shell command.", "parameters": SHELL["parametersJsonSchema"]}},
+            {
+                "type": "function",
+                "function": {
+                    "name": "run_shell_command",
+                    "description": "Runs a shell command.",
+                    "parameters": SHELL["parametersJsonSchema"],
+                },
+            },
             {
                 "type": "function",
                 "function": {
                     "name": "read_file",
-                    "parameters": {"type": "object", "properties": {"path": {"type": "string", "description": "File."}}, "required": ["path"]},
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"path": {"type": "string", "description": "File."}},
+                        "required": ["path"],
+                    },
                 },
             },
         ],
@@ -125,12 +163,25 @@ def test_served_model_replaces_the_paths_but_the_client_sees_its_own():
 
 
 def test_system_content_and_instruction_merge_into_one_leading_message():
-    body = {"systemInstruction": "Be brief.", "contents": [{"role": "user", "parts": [{"text": "hi"}]}, {"role": "system", "parts": [{"text": "Late rule."}]}]}
-    assert start(body).chat_body["messages"] == [{"role": "system", "content": "Be brief.\n\nLate rule."}, {"role": "user", "content": "hi"}]
+    body = {
+        "systemInstruction": "Be brief.",
+        "contents": [
+            {"role": "user", "parts": [{"text": "hi"}]},
+            {"role": "system", "parts": [{"text": "Late rule."}]},
+        ],
+    }
+    assert start(body).chat_body["messages"] == [
+        {"role": "system", "content": "Be brief.\n\nLate rule."},
+        {"role": "user", "content": "hi"},
+    ]
 
 
 def test_tool_choice_is_dropped_without_tools_and_any_becomes_required():
-    only_search = {"contents": [{"parts": [{"text": "hi"}]}], "tools": [{"googleSearch": {}}], "toolConfig": {"functionCallingConfig": {"mode": "ANY"}}}
+    only_search = {
+        "contents": [{"parts": [{"text": "hi"}]}],
+        "tools": [{"googleSearch": {}}],
+        "toolConfig": {"functionCallingConfig": {"mode": "ANY"}},
+    }
     assert "tools" not in start(only_search).chat_body and "tool_choice" not in start(only_search).chat_body
     body = {**only_search, "tools": [{"functionDeclarations": [SHELL]}]}
     assert start(body).chat_body["tool_choice"] == "required"
@@ -141,13 +192,19 @@ def test_tool_choice_is_dropped_without_tools_and_any_becomes_required():
 def test_schema_types_are_lower_cased_but_data_is_not():
     schema = {
         "type": "OBJECT",
-        "properties": {"type": {"type": "STRING", "enum": ["OBJECT", "A"]}, "items": {"type": "ARRAY", "items": {"type": "INTEGER"}}},
+        "properties": {
+            "type": {"type": "STRING", "enum": ["OBJECT", "A"]},
+            "items": {"type": "ARRAY", "items": {"type": "INTEGER"}},
+        },
         "anyOf": [{"type": "NUMBER"}],
         "required": ["type"],
     }
     assert google._schema(schema) == {
         "type": "object",
-        "properties": {"type": {"type": "string", "enum": ["OBJECT", "A"]}, "items": {"type": "array", "items": {"type": "integer"}}},
+        "properties": {
+            "type": {"type": "string", "enum": ["OBJECT", "A"]},
+            "items": {"type": "array", "items": {"type": "integer"}},
+        },
         "anyOf": [{"type": "number"}],
         "required": ["type"],
     }
@@ -157,8 +214,14 @@ def test_schema_types_are_lower_cased_but_data_is_not():
     ("config", "expected"),
     [
         ({"responseMimeType": "application/json"}, {"type": "json_object"}),
-        ({"responseMimeType": "application/json", "responseSchema": {"type": "OBJECT"}}, {"type": "json_schema", "json_schema": {"name": "response", "schema": {"type": "object"}}}),
-        ({"responseMimeType": "application/json", "responseJsonSchema": {"type": "array"}}, {"type": "json_schema", "json_schema": {"name": "response", "schema": {"type": "array"}}}),
+        (
+            {"responseMimeType": "application/json", "responseSchema": {"type": "OBJECT"}},
+            {"type": "json_schema", "json_schema": {"name": "response", "schema": {"type": "object"}}},
+        ),
+        (
+            {"responseMimeType": "application/json", "responseJsonSchema": {"type": "array"}},
+            {"type": "json_schema", "json_schema": {"name": "response", "schema": {"type": "array"}}},
+        ),
         ({"responseMimeType": "text/plain"}, None),
     ],
 )
@@ -181,37 +244,69 @@ def test_snake_case_field_names_count_too():
         "generation_config": {"max_output_tokens": 9, "thinkingConfig": {"include_thoughts": True}},
     }
     t = start(body)
-    assert t.include_thoughts and t.chat_body["max_tokens"] == 9 and t.chat_body["chat_template_kwargs"] == {"enable_thinking": True}
+    assert (
+        t.include_thoughts
+        and t.chat_body["max_tokens"] == 9
+        and t.chat_body["chat_template_kwargs"] == {"enable_thinking": True}
+    )
     assert t.chat_body["messages"][0] == {"role": "system", "content": "Be brief."}
 
 
 def test_images_become_image_parts_and_tool_results_come_first():
-    parts = [{"text": "Look:"}, {"inlineData": {"mimeType": "image/png", "data": "iVBO"}}, {"functionResponse": {"name": "x", "response": {}}}]
+    parts = [
+        {"text": "Look:"},
+        {"inlineData": {"mimeType": "image/png", "data": "iVBO"}},
+        {"functionResponse": {"name": "x", "response": {}}},
+    ]
     messages = start({"contents": [{"role": "user", "parts": parts}]}).chat_body["messages"]
     assert messages == [
         {"role": "tool", "tool_call_id": "call_0_r0", "content": "{}"},
-        {"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBO"}}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Look:"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBO"}},
+            ],
+        },
     ]
 
 
 def test_foreign_signatures_are_dropped_and_ours_decode_in_either_alphabet():
     sdk_resent = base64.urlsafe_b64encode(base64.b64decode(google.mint_signature(THOUGHTS))).decode()
-    for signature, reasoning in [(sdk_resent, THOUGHTS), ("CiQB0e2Kb3fOreign==", None), ("skip_thought_signature_validator", None), (native.mint_reasoning("raw"), None)]:
-        body = {"contents": [{"parts": [{"text": "q"}]}, {"role": "model", "parts": [{"text": "a", "thoughtSignature": signature}]}]}
+    for signature, reasoning in [
+        (sdk_resent, THOUGHTS),
+        ("CiQB0e2Kb3fOreign==", None),
+        ("skip_thought_signature_validator", None),
+        (native.mint_reasoning("raw"), None),
+    ]:
+        body = {
+            "contents": [
+                {"parts": [{"text": "q"}]},
+                {"role": "model", "parts": [{"text": "a", "thoughtSignature": signature}]},
+            ]
+        }
         assert start(body).chat_body["messages"][1].get("reasoning") == reasoning
 
 
 @pytest.mark.parametrize(
     ("body", "path", "match"),
     [
-        ({"contents": [{"parts": [{"text": "hi"}]}], "generationConfig": {"candidateCount": 2}}, STREAM_PATH, "candidateCount"),
+        (
+            {"contents": [{"parts": [{"text": "hi"}]}], "generationConfig": {"candidateCount": 2}},
+            STREAM_PATH,
+            "candidateCount",
+        ),
         ({"contents": [{"parts": [{"text": "hi"}]}]}, "/v1beta/models/m:streamGenerateContent", "alt=sse"),
         ({"contents": [{"parts": [{"text": "hi"}]}]}, "/v1beta/models/m:countTokens", "generateContent"),
         ({"contents": []}, STREAM_PATH, "contents"),
         ({"contents": [{"role": "critic", "parts": []}]}, STREAM_PATH, "role"),
         ({"contents": [{"parts": [{"fileData": {"fileUri": "gs://b/f"}}]}]}, STREAM_PATH, "fileData"),
         ({"contents": [{"parts": "hi"}]}, STREAM_PATH, "parts"),
-        ({"contents": [{"parts": [{"text": "hi"}]}], "cachedContent": "cachedContents/x"}, STREAM_PATH, "cachedContent"),
+        (
+            {"contents": [{"parts": [{"text": "hi"}]}], "cachedContent": "cachedContents/x"},
+            STREAM_PATH,
+            "cachedContent",
+        ),
     ],
 )
 def test_untranslatable_requests_are_refused(body, path, match):
@@ -221,7 +316,15 @@ def test_untranslatable_requests_are_refused(body, path, match):
 
 @pytest.mark.parametrize(
     ("status", "name"),
-    [(400, "INVALID_ARGUMENT"), (429, "RESOURCE_EXHAUSTED"), (500, "INTERNAL"), (503, "UNAVAILABLE"), (504, "DEADLINE_EXCEEDED"), (418, "INVALID_ARGUMENT"), (599, "INTERNAL")],
+    [
+        (400, "INVALID_ARGUMENT"),
+        (429, "RESOURCE_EXHAUSTED"),
+        (500, "INTERNAL"),
+        (503, "UNAVAILABLE"),
+        (504, "DEADLINE_EXCEEDED"),
+        (418, "INVALID_ARGUMENT"),
+        (599, "INTERNAL"),
+    ],
 )
 def test_error_body_names_the_status(status, name):
     assert google.error_body(status, "nope") == {"error": {"code": status, "message": "nope", "status": name}}
@@ -230,14 +333,22 @@ def test_error_body_names_the_status(status, name):
 def test_context_length_error_reads_like_geminis():
     t = start({"contents": [{"parts": [{"text": "hi"}]}]})
     message = t.error(400, "This model's maximum context length is 2048 tokens.")["error"]["message"]
-    assert message.startswith("The input token count exceeds the maximum number of tokens allowed.") and "2048" in message
+    assert (
+        message.startswith("The input token count exceeds the maximum number of tokens allowed.") and "2048" in message
+    )
 
 
 # --- the answer, streamed ---------------------------------------------------------------------
 
 
 def chunk(delta=None, finish=None, **extra):
-    choice = {"index": 0, "delta": delta or {}, "logprobs": {"content": [{"token": "x", "logprob": -0.1}]}, "finish_reason": finish, "token_ids": [5]}
+    choice = {
+        "index": 0,
+        "delta": delta or {},
+        "logprobs": {"content": [{"token": "x", "logprob": -0.1}]},
+        "finish_reason": finish,
+        "token_ids": [5],
+    }
     return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "choices": [choice], **extra}
 
 
@@ -249,17 +360,41 @@ THOUGHTS_THEN_TEXT_THEN_TWO_CALLS = [
     chunk({"reasoning": THOUGHTS[:9]}),
     chunk({"reasoning": THOUGHTS[9:]}),
     chunk({"content": "I'll write it."}),
-    chunk({"tool_calls": [{"index": 0, "id": "call_a", "type": "function", "function": {"name": "run_shell_command", "arguments": ""}}]}),
+    chunk(
+        {
+            "tool_calls": [
+                {
+                    "index": 0,
+                    "id": "call_a",
+                    "type": "function",
+                    "function": {"name": "run_shell_command", "arguments": ""},
+                }
+            ]
+        }
+    ),
     chunk({"tool_calls": [{"index": 0, "function": {"arguments": CALL_1[:13]}}]}),
     chunk({"tool_calls": [{"index": 0, "function": {"arguments": CALL_1[13:]}}]}),
-    chunk({"tool_calls": [{"index": 1, "id": "call_b", "type": "function", "function": {"name": "read_file", "arguments": CALL_2[:-1]}}]}),
+    chunk(
+        {
+            "tool_calls": [
+                {
+                    "index": 1,
+                    "id": "call_b",
+                    "type": "function",
+                    "function": {"name": "read_file", "arguments": CALL_2[:-1]},
+                }
+            ]
+        }
+    ),
     chunk({"tool_calls": [{"index": 1, "function": {"arguments": CALL_2[-1:]}}]}, finish="tool_calls"),
     {"id": "chatcmpl-1", "object": "chat.completion.chunk", "choices": [], "usage": USAGE},
 ]
 
 
 def sse_bytes(chunks):
-    return b"".join(b"data: " + json.dumps(c, ensure_ascii=False).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+    return (
+        b"".join(b"data: " + json.dumps(c, ensure_ascii=False).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+    )
 
 
 def events_of(data):
@@ -310,7 +445,9 @@ def test_each_part_goes_out_as_its_chunk_arrives():
     assert out[0] == b""  # the role chunk carries nothing to say
     assert [len(parts_of(events_of(b))) for b in out[1:4]] == [1, 1, 1]
     assert out[4] == out[5] == b""  # a call goes out once its arguments are complete JSON, not before
-    assert parts_of(events_of(out[6])) == [{"functionCall": {"name": "run_shell_command", "args": {"command": "echo hi > out.txt"}}}]
+    assert parts_of(events_of(out[6])) == [
+        {"functionCall": {"name": "run_shell_command", "args": {"command": "echo hi > out.txt"}}}
+    ]
     assert out[7] == b"" and parts_of(events_of(out[8]))[0]["functionCall"]["name"] == "read_file"
     assert events_of(out[9])[-1]["candidates"][0]["finishReason"] == "STOP"  # the usage chunk closes the answer
     assert t.finish(complete=True) == b""
@@ -322,7 +459,10 @@ def test_truncated_answer_is_max_tokens_and_drops_the_unfinished_call():
         t.events(c)
         for c in [
             chunk({"content": "Let me"}),
-            chunk({"tool_calls": [{"index": 0, "id": "c", "function": {"name": "read_file", "arguments": '{"pa'}}]}, finish="length"),
+            chunk(
+                {"tool_calls": [{"index": 0, "id": "c", "function": {"name": "read_file", "arguments": '{"pa'}}]},
+                finish="length",
+            ),
             {"choices": [], "usage": USAGE},
         ]
     )
@@ -332,13 +472,20 @@ def test_truncated_answer_is_max_tokens_and_drops_the_unfinished_call():
 
 def test_unparseable_call_is_a_malformed_function_call():
     t = start(gemini_cli_body())
-    data = t.events(chunk({"tool_calls": [{"index": 0, "function": {"name": "read_file", "arguments": "{path: x}"}}]}, finish="tool_calls"))
+    data = t.events(
+        chunk(
+            {"tool_calls": [{"index": 0, "function": {"name": "read_file", "arguments": "{path: x}"}}]},
+            finish="tool_calls",
+        )
+    )
     events = events_of(data + t.finish(complete=True))
     assert parts_of(events) == [] and events[-1]["candidates"][0]["finishReason"] == "MALFORMED_FUNCTION_CALL"
 
 
 def test_thoughts_alone_still_return_their_signature_on_a_final_part():
-    t = start({"contents": [{"parts": [{"text": "hi"}]}]})  # no includeThoughts: no thought parts, the signature all the same
+    t = start(
+        {"contents": [{"parts": [{"text": "hi"}]}]}
+    )  # no includeThoughts: no thought parts, the signature all the same
     assert t.events(chunk({"reasoning": "hmm"}, finish="stop")) == b""
     events = events_of(t.finish(complete=True))
     assert parts_of(events) == [{"text": "", "thoughtSignature": google.mint_signature("hmm")}]
@@ -351,7 +498,13 @@ def test_broken_stream_ends_with_an_error_event(cut, complete):
     t = start(gemini_cli_body())
     data = b"".join(t.events(c) for c in THOUGHTS_THEN_TEXT_THEN_TWO_CALLS[:cut])
     data += t.finish(complete=complete)
-    assert events_of(data)[-1] == {"error": {"code": 500, "message": "the upstream stream broke off before the answer was complete", "status": "INTERNAL"}}
+    assert events_of(data)[-1] == {
+        "error": {
+            "code": 500,
+            "message": "the upstream stream broke off before the answer was complete",
+            "status": "INTERNAL",
+        }
+    }
     assert t.finish(complete=False) == b"" and t.events(chunk({"content": "late"})) == b""
 
 
@@ -367,15 +520,28 @@ def test_upstream_error_mid_stream_keeps_its_code():
 
 
 def upstream_answer(content=None, reasoning=None, calls=(), finish="stop", usage=USAGE):
-    tool_calls = [{"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": a}} for i, (n, a) in enumerate(calls)]
+    tool_calls = [
+        {"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": a}}
+        for i, (n, a) in enumerate(calls)
+    ]
     message = {"role": "assistant", "content": content, "reasoning": reasoning, "tool_calls": tool_calls}
     choice = {"index": 0, "message": message, "finish_reason": finish, "token_ids": [5, 6], "logprobs": {"content": []}}
-    return {"id": "chatcmpl-9", "object": "chat.completion", "choices": [choice], "usage": usage, "prompt_token_ids": [1]}
+    return {
+        "id": "chatcmpl-9",
+        "object": "chat.completion",
+        "choices": [choice],
+        "usage": usage,
+        "prompt_token_ids": [1],
+    }
 
 
 def test_answer_is_a_full_generate_content_response_equal_to_the_stream():
     t = start(gemini_cli_body(), PATH)
-    body = t.answer(upstream_answer("I'll write it.", THOUGHTS, [("run_shell_command", CALL_1), ("read_file", CALL_2)], "tool_calls"))
+    body = t.answer(
+        upstream_answer(
+            "I'll write it.", THOUGHTS, [("run_shell_command", CALL_1), ("read_file", CALL_2)], "tool_calls"
+        )
+    )
     types.GenerateContentResponse.model_validate(body)
     assert body == {
         "candidates": [
@@ -397,25 +563,47 @@ def test_answer_is_a_full_generate_content_response_equal_to_the_stream():
         "modelVersion": "gemini-2.5-pro",
         "responseId": t.response_id,
     }
-    streamed = parts_of(events_of(b"".join(translate_stream(start(gemini_cli_body()), sse_bytes(THOUGHTS_THEN_TEXT_THEN_TWO_CALLS), 5))))
+    streamed = parts_of(
+        events_of(b"".join(translate_stream(start(gemini_cli_body()), sse_bytes(THOUGHTS_THEN_TEXT_THEN_TWO_CALLS), 5)))
+    )
     thought = "".join(p["text"] for p in streamed if p.get("thought"))
-    assert [{"text": thought, "thought": True}] + [p for p in streamed if not p.get("thought")] == body["candidates"][0]["content"]["parts"]
+    assert [{"text": thought, "thought": True}] + [p for p in streamed if not p.get("thought")] == body["candidates"][
+        0
+    ]["content"]["parts"]
 
 
 def test_answer_usage_reports_reasoning_and_cached_tokens():
-    usage = {**USAGE, "completion_tokens_details": {"reasoning_tokens": 5}, "prompt_tokens_details": {"cached_tokens": 32}}
-    body = start({"contents": [{"parts": [{"text": "hi"}]}]}, PATH).answer(upstream_answer("ok", usage=usage, finish="length"))
-    assert body["usageMetadata"] == {"promptTokenCount": 40, "candidatesTokenCount": 7, "totalTokenCount": 52, "thoughtsTokenCount": 5, "cachedContentTokenCount": 32}
+    usage = {
+        **USAGE,
+        "completion_tokens_details": {"reasoning_tokens": 5},
+        "prompt_tokens_details": {"cached_tokens": 32},
+    }
+    body = start({"contents": [{"parts": [{"text": "hi"}]}]}, PATH).answer(
+        upstream_answer("ok", usage=usage, finish="length")
+    )
+    assert body["usageMetadata"] == {
+        "promptTokenCount": 40,
+        "candidatesTokenCount": 7,
+        "totalTokenCount": 52,
+        "thoughtsTokenCount": 5,
+        "cachedContentTokenCount": 32,
+    }
     assert body["candidates"][0]["finishReason"] == "MAX_TOKENS"
 
 
 def test_reasoning_round_trip_through_the_sdks_own_types():
     """What the SDK makes of our answer, sent back as history, gives the upstream the sampled reasoning."""
     t = start(gemini_cli_body(), PATH)
-    answer = types.GenerateContentResponse.model_validate(t.answer(upstream_answer(None, THOUGHTS, [("run_shell_command", CALL_1)], "tool_calls")))
-    kept = [p for p in answer.candidates[0].content.parts if not p.thought]  # Gemini CLI drops thought parts from history
+    answer = types.GenerateContentResponse.model_validate(
+        t.answer(upstream_answer(None, THOUGHTS, [("run_shell_command", CALL_1)], "tool_calls"))
+    )
+    kept = [
+        p for p in answer.candidates[0].content.parts if not p.thought
+    ]  # Gemini CLI drops thought parts from history
     model_turn = types.Content(role="model", parts=kept).model_dump(mode="json", by_alias=True, exclude_none=True)
     reply = {"role": "user", "parts": [{"functionResponse": {"name": "run_shell_command", "response": {"output": ""}}}]}
     messages = start({"contents": [{"parts": [{"text": "Write hi."}]}, model_turn, reply]}).chat_body["messages"]
-    assert messages[1]["reasoning"] == THOUGHTS and messages[1]["tool_calls"][0]["function"]["name"] == "run_shell_command"
+    assert (
+        messages[1]["reasoning"] == THOUGHTS and messages[1]["tool_calls"][0]["function"]["name"] == "run_shell_command"
+    )
     assert messages[2] == {"role": "tool", "tool_call_id": "call_1_0", "content": '{"output": ""}'}

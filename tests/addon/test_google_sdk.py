@@ -4,7 +4,6 @@ The SDK speaks Gemini's generateContent (streamed with ``alt=sse``); the addon a
 server's Chat Completions, so the SDK's own parsers judge our events.
 """
 
-
 import pytest
 from google import genai
 from google.genai import errors, types
@@ -17,7 +16,11 @@ pytestmark = pytest.mark.slow
 MODEL = "gemini-2.5-flash"  # what the harness asks for; the proxy serves it with "tiny"
 REASONING = "The user wants a file; a shell command writes it."
 SCRIPT = [
-    {"reasoning": REASONING, "content": None, "tool_calls": [{"name": "run_shell_command", "arguments": {"command": "echo hi > out.txt"}}]},
+    {
+        "reasoning": REASONING,
+        "content": None,
+        "tool_calls": [{"name": "run_shell_command", "arguments": {"command": "echo hi > out.txt"}}],
+    },
     {"content": "Done: out.txt holds hi.", "tool_calls": []},
 ]
 SHELL = types.FunctionDeclaration(
@@ -97,7 +100,10 @@ def test_function_call_round_trip(stream, both):
 
 
 def test_streamed_parts_equal_the_non_streamed_answer(both):
-    dump = [[(t, [p.model_dump(exclude_none=True) for p in parts], f) for t, parts, f in turns] for turns in (both[True], both[False])]
+    dump = [
+        [(t, [p.model_dump(exclude_none=True) for p in parts], f) for t, parts, f in turns]
+        for turns in (both[True], both[False])
+    ]
     assert dump[0] == dump[1]
 
 
@@ -106,7 +112,12 @@ def test_records_chain_token_by_token_with_the_reasoning_sent_back(stream, both,
     records = read_records(proxy.captures, session=f"sess-google-{stream}", expect=2)
     assert len(records) == 2
     for record in records:
-        assert record["api"] == "google" and record["complete"] and record["status"] == 200 and record["streamed"] is stream
+        assert (
+            record["api"] == "google"
+            and record["complete"]
+            and record["status"] == 200
+            and record["streamed"] is stream
+        )
         assert record["session_source"] == "api_key" and record["request"]["contents"]
         prompt, ids, logprobs = tokens_of(record)
         assert prompt and len(logprobs) == len(ids) > 0

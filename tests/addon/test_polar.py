@@ -19,14 +19,22 @@ def read_records(directory):
 
 
 def make_chat_flow(*, body=None, stream=False, path="/v1/chat/completions", headers=(), raw=None):
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **({"stream": True} if stream else {})} if body is None else body
+    body = (
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], **({"stream": True} if stream else {})}
+        if body is None
+        else body
+    )
     content = raw if raw is not None else json.dumps(body).encode()
-    req = tutils.treq(method=b"POST", path=path.encode(), content=content, headers=((b"content-type", b"application/json"), *headers))
+    req = tutils.treq(
+        method=b"POST", path=path.encode(), content=content, headers=((b"content-type", b"application/json"), *headers)
+    )
     return tflow.tflow(req=req)
 
 
 def set_response(flow, *, content_type="application/json", status=200, headers=()):
-    flow.response = tutils.tresp(status_code=status, content=b"", headers=((b"content-type", content_type.encode()), *headers))
+    flow.response = tutils.tresp(
+        status_code=status, content=b"", headers=((b"content-type", content_type.encode()), *headers)
+    )
 
 
 @pytest.fixture
@@ -73,7 +81,12 @@ def test_streamed_chat_is_teed_and_recorded(addon, tctx, tmp_path):
     assert rec["v"] == 1 and rec["session_id"] == "sess-1" and rec["session_source"] == "api_key"
     assert rec["api"] == "chat" and rec["streamed"] and rec["complete"] and rec["error"] is None
     assert rec["response_body"] == b"".join(chunks).decode()
-    assert rec["injected"] == {"logprobs": True, "top_logprobs": 0, "return_token_ids": True, "stream_options.include_usage": True}
+    assert rec["injected"] == {
+        "logprobs": True,
+        "top_logprobs": 0,
+        "return_token_ids": True,
+        "stream_options.include_usage": True,
+    }
     assert [n for _, n in rec["chunks"]] == [len(c) for c in chunks]
     assert rec["t_start"] <= rec["t_first_byte"] <= rec["t_end"]
     sent = json.loads(flow.request.content)

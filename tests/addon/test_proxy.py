@@ -111,7 +111,13 @@ def two_turns(c, *, stream):
                     "role": "assistant",
                     "content": result["content"],
                     "reasoning": result["reasoning"],  # sent back, so the template renders the turn as sampled
-                    "tool_calls": [{"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}],
+                    "tool_calls": [
+                        {
+                            "id": call["id"],
+                            "type": "function",
+                            "function": {"name": call["name"], "arguments": call["arguments"]},
+                        }
+                    ],
                 },
                 {"role": "tool", "tool_call_id": call["id"], "content": "(no output)"},
             ]
@@ -122,10 +128,14 @@ def two_turns(c, *, stream):
 def test_two_turn_tool_call_through_proxy_equals_direct(stream, scripted, proxy, tokenizer):
     session = f"sess-two-turn-{'s' if stream else 'n'}"
     # Direct calls name their session the way the proxy would, so the script advances the same.
-    direct = two_turns(client(scripted.url, "unused", default_headers={"x-polar-session": f"direct-{session}"}), stream=stream)
+    direct = two_turns(
+        client(scripted.url, "unused", default_headers={"x-polar-session": f"direct-{session}"}), stream=stream
+    )
     proxied = two_turns(client(proxy.url, session), stream=stream)
     assert [comparable(r) for r in proxied] == [comparable(r) for r in direct]
-    assert proxied[0]["finish"] == "tool_calls" and json.loads(proxied[0]["calls"][0]["arguments"]) == {"command": "echo hi > out.txt"}
+    assert proxied[0]["finish"] == "tool_calls" and json.loads(proxied[0]["calls"][0]["arguments"]) == {
+        "command": "echo hi > out.txt"
+    }
     assert proxied[1]["content"] == "Done: out.txt holds hi." and proxied[1]["finish"] == "stop"
 
     records = read_records(proxy.captures, session=session, expect=2)
@@ -135,7 +145,12 @@ def test_two_turn_tool_call_through_proxy_equals_direct(stream, scripted, proxy,
         assert record["session_source"] == "api_key" and record["api"] == "chat"
         prompt, ids, logprobs = tokens_of(record)
         assert len(logprobs) == len(ids) > 0 and all(lp <= 0 for lp in logprobs)
-        assert prompt == tokenizer.apply_chat_template(record["request"]["messages"], tools=TOOLS, add_generation_prompt=True)["input_ids"]
+        assert (
+            prompt
+            == tokenizer.apply_chat_template(record["request"]["messages"], tools=TOOLS, add_generation_prompt=True)[
+                "input_ids"
+            ]
+        )
     # The sampled ids decode to what the client got back.
     _, ids0, _ = tokens_of(records[0])
     _, ids1, _ = tokens_of(records[1])
@@ -157,7 +172,9 @@ def test_interleaved_sessions_stay_apart(proxy):
     # Each session walks the script on its own: first a tool call, then the final answer.
     assert first_a.choices[0].finish_reason == first_b.choices[0].finish_reason == "tool_calls"
     assert second_a.choices[0].message.content == second_b.choices[0].message.content == SCRIPT[1]["content"]
-    records = read_records(proxy.captures, session="sess-inter-a", expect=2) + read_records(proxy.captures, session="sess-inter-b", expect=2)
+    records = read_records(proxy.captures, session="sess-inter-a", expect=2) + read_records(
+        proxy.captures, session="sess-inter-b", expect=2
+    )
     records.sort(key=lambda r: r["t_start"])
     assert [r["session_id"] for r in records] == ["sess-inter-a", "sess-inter-b", "sess-inter-a", "sess-inter-b"]
 
@@ -175,7 +192,9 @@ def test_provider_key_never_reaches_disk(proxy):
 
 
 def test_non_json_body_is_forwarded_and_recorded(proxy, scripted):
-    direct = http.post(f"{scripted.url}/v1/chat/completions", content=b"not json{", headers={"content-type": "application/json"})
+    direct = http.post(
+        f"{scripted.url}/v1/chat/completions", content=b"not json{", headers={"content-type": "application/json"}
+    )
     proxied = http.post(
         f"{proxy.url}/v1/chat/completions",
         content=b"not json{",
@@ -211,7 +230,9 @@ def slow_upstream():
 def test_client_disconnect_mid_stream_keeps_partial_record(slow_upstream, tmp_path):
     body = {"model": "m", "messages": FIRST_TURN, "stream": True, "bench_chunks": 50, "bench_delay_s": 0.05}
     with Mitmdump(slow_upstream, tmp_path / "captures", log=tmp_path / "mitmdump.log") as mitm:
-        with http.stream("POST", f"{mitm.url}/v1/chat/completions", json=body, headers={"authorization": "Bearer sess-gone"}) as r:
+        with http.stream(
+            "POST", f"{mitm.url}/v1/chat/completions", json=body, headers={"authorization": "Bearer sess-gone"}
+        ) as r:
             first = next(r.iter_raw())
         assert first.startswith(b"data: ")
         (record,) = read_records(tmp_path / "captures", expect=1)
@@ -224,7 +245,9 @@ def test_kill_9_loses_no_finished_record(slow_upstream, tmp_path):
     try:
         c = client(mitm.url, "sess-kill")
         for i in range(20):
-            response = c.chat.completions.create(model="m", messages=FIRST_TURN, stream=i % 2 == 0, extra_body={"bench_chunks": 5})
+            response = c.chat.completions.create(
+                model="m", messages=FIRST_TURN, stream=i % 2 == 0, extra_body={"bench_chunks": 5}
+            )
             if i % 2 == 0:
                 list(response)
         time.sleep(0.2)  # the addon promises records on disk within ~100 ms of an exchange's end

@@ -20,7 +20,12 @@ SECRETS = ("sk-live-0123456789abcdef", "AIzaSyD-secret-google-key", "sk-ant-api0
 def make_flow(host, path, *, method="POST", body=None, headers=(), port=443, scheme="https", mode="regular"):
     content = b"" if body is None else json.dumps(body).encode()
     req = tutils.treq(
-        scheme=scheme.encode(), host=host, port=port, method=method.encode(), path=path.encode(), content=content,
+        scheme=scheme.encode(),
+        host=host,
+        port=port,
+        method=method.encode(),
+        path=path.encode(),
+        content=content,
         headers=((b"host", host.encode()), (b"content-type", b"application/json"), *headers),
     )
     flow = tflow.tflow(req=req)
@@ -119,8 +124,12 @@ def test_other_paths_on_a_rerouted_host_are_answered_here_unrecorded(addons, tct
 
 
 def test_unnamed_host_passes_untouched_and_unrecorded(addons, tctx, tmp_path):
-    flow = make_flow("telemetry.example.com", "/v1/chat/completions", body={"model": "m", "messages": []},
-                     headers=((b"authorization", b"Bearer sk-live-0123456789abcdef"),))
+    flow = make_flow(
+        "telemetry.example.com",
+        "/v1/chat/completions",
+        body={"model": "m", "messages": []},
+        headers=((b"authorization", b"Bearer sk-live-0123456789abcdef"),),
+    )
     request(addons, flow)
     finish(addons, flow)
     assert flow.metadata[reroute.ROUTE_KEY] == reroute.PASS
@@ -174,20 +183,33 @@ def test_upstream_mode_reaches_our_upstream_directly(addons, tctx):
 
 def test_capture_only_forwards_the_key_and_records_no_secret(addons, tctx, tmp_path):
     tctx.configure(addons[0], polar_reroute="", polar_capture="api.openai.com, generativelanguage.googleapis.com")
-    chat = make_flow("api.openai.com", "/v1/chat/completions", body={"model": "gpt", "messages": [], "stream": False},
-                     headers=((b"authorization", f"Bearer {SECRETS[0]}".encode()), (b"cookie", b"c=1")))
-    google = make_flow("generativelanguage.googleapis.com", f"/v1beta/models/g:generateContent?key={SECRETS[1]}",
-                       body={"contents": []}, headers=((b"x-goog-api-key", SECRETS[1].encode()),))
+    chat = make_flow(
+        "api.openai.com",
+        "/v1/chat/completions",
+        body={"model": "gpt", "messages": [], "stream": False},
+        headers=((b"authorization", f"Bearer {SECRETS[0]}".encode()), (b"cookie", b"c=1")),
+    )
+    google = make_flow(
+        "generativelanguage.googleapis.com",
+        f"/v1beta/models/g:generateContent?key={SECRETS[1]}",
+        body={"contents": []},
+        headers=((b"x-goog-api-key", SECRETS[1].encode()),),
+    )
     for flow in (chat, google):
         request(addons, flow)
         assert flow.metadata[reroute.ROUTE_KEY] == reroute.CAPTURE
         assert "x-polar-session" not in flow.request.headers
     assert chat.request.headers["authorization"] == f"Bearer {SECRETS[0]}"
     assert json.loads(chat.request.content) == {"model": "gpt", "messages": [], "stream": False}  # no token fields
-    assert google.request.url.startswith("https://generativelanguage.googleapis.com/") and SECRETS[1] in google.request.path
+    assert (
+        google.request.url.startswith("https://generativelanguage.googleapis.com/")
+        and SECRETS[1] in google.request.path
+    )
     assert google.request.headers["x-goog-api-key"] == SECRETS[1]
     for flow in (chat, google):
-        flow.response = tutils.tresp(content=b"", headers=((b"content-type", b"application/json"), (b"set-cookie", b"s=2")))
+        flow.response = tutils.tresp(
+            content=b"", headers=((b"content-type", b"application/json"), (b"set-cookie", b"s=2"))
+        )
         addons[1].responseheaders(flow)
         flow.response.raw_content = b"{}"
         addons[1].response(flow)

@@ -10,7 +10,10 @@ from addon import native, responses
 
 OPTIONS = native.Options(model="", upstream="vllm")
 # The SDK's event models by type (its union's discriminator is the SDK's own, not pydantic's).
-EVENTS = {typing.get_args(e.model_fields["type"].annotation)[0]: e for e in typing.get_args(typing.get_args(ResponseStreamEvent)[0])}
+EVENTS = {
+    typing.get_args(e.model_fields["type"].annotation)[0]: e
+    for e in typing.get_args(typing.get_args(ResponseStreamEvent)[0])
+}
 THOUGHT = "The user wants a file; ls first — then write it. ✓"
 SHELL = {
     "type": "function",
@@ -32,22 +35,56 @@ def codex_body(**overrides):
         "model": "gpt-5-codex",
         "instructions": "You are Codex.",
         "input": [
-            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Sandbox: workspace-write."}]},
+            {
+                "type": "message",
+                "role": "developer",
+                "content": [{"type": "input_text", "text": "Sandbox: workspace-write."}],
+            },
             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "<env>cwd=/w</env>"}]},
-            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Write "}, {"type": "input_text", "text": "hi."}]},
+            {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "Write "}, {"type": "input_text", "text": "hi."}],
+            },
             {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": native.mint_reasoning(THOUGHT)},
-            {"type": "function_call", "id": "fc_1", "call_id": "call_a", "name": "exec_command", "arguments": '{"cmd":"ls"}'},
-            {"type": "function_call", "id": "fc_2", "call_id": "call_b", "name": "exec_command", "arguments": '{"cmd":"pwd"}'},
+            {
+                "type": "function_call",
+                "id": "fc_1",
+                "call_id": "call_a",
+                "name": "exec_command",
+                "arguments": '{"cmd":"ls"}',
+            },
+            {
+                "type": "function_call",
+                "id": "fc_2",
+                "call_id": "call_b",
+                "name": "exec_command",
+                "arguments": '{"cmd":"pwd"}',
+            },
             {"type": "function_call_output", "call_id": "call_a", "output": "a.txt"},
             {"type": "function_call_output", "call_id": "call_b", "output": "/w"},
-            {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "s"}], "encrypted_content": "gAAAAB-openai-only"},
+            {
+                "type": "reasoning",
+                "id": "rs_2",
+                "summary": [{"type": "summary_text", "text": "s"}],
+                "encrypted_content": "gAAAAB-openai-only",
+            },
             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Writing it."}]},
-            {"type": "local_shell_call", "id": "ls_1", "call_id": "call_c", "status": "completed",
-             "action": {"type": "exec", "command": ["touch", "hi"], "env": {}}},
+            {
+                "type": "local_shell_call",
+                "id": "ls_1",
+                "call_id": "call_c",
+                "status": "completed",
+                "action": {"type": "exec", "command": ["touch", "hi"], "env": {}},
+            },
             {"type": "local_shell_call_output", "id": "call_c", "output": ""},
             {"role": "developer", "content": "Approval policy changed."},
         ],
-        "tools": [SHELL, {"type": "web_search"}, {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.", "tools": []}],
+        "tools": [
+            SHELL,
+            {"type": "web_search"},
+            {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.", "tools": []},
+        ],
         "tool_choice": "auto",
         "parallel_tool_calls": True,
         "reasoning": {"effort": "medium", "summary": "auto"},
@@ -74,8 +111,16 @@ def test_codex_request_maps_to_one_chat_request():
                 "content": None,
                 "reasoning": THOUGHT,
                 "tool_calls": [
-                    {"id": "call_a", "type": "function", "function": {"name": "exec_command", "arguments": '{"cmd":"ls"}'}},
-                    {"id": "call_b", "type": "function", "function": {"name": "exec_command", "arguments": '{"cmd":"pwd"}'}},
+                    {
+                        "id": "call_a",
+                        "type": "function",
+                        "function": {"name": "exec_command", "arguments": '{"cmd":"ls"}'},
+                    },
+                    {
+                        "id": "call_b",
+                        "type": "function",
+                        "function": {"name": "exec_command", "arguments": '{"cmd":"pwd"}'},
+                    },
                 ],
             },
             {"role": "tool", "tool_call_id": "call_a", "content": "a.txt"},
@@ -85,7 +130,11 @@ def test_codex_request_maps_to_one_chat_request():
                 "role": "assistant",
                 "content": "Writing it.",
                 "tool_calls": [
-                    {"id": "call_c", "type": "function", "function": {"name": "local_shell", "arguments": '{"command": ["touch", "hi"], "env": {}}'}}
+                    {
+                        "id": "call_c",
+                        "type": "function",
+                        "function": {"name": "local_shell", "arguments": '{"command": ["touch", "hi"], "env": {}}'},
+                    }
                 ],
             },
             {"role": "tool", "tool_call_id": "call_c", "content": ""},
@@ -102,7 +151,9 @@ def test_tool_choice_goes_with_the_last_function_tool():
     assert "tools" not in chat and "tool_choice" not in chat and "parallel_tool_calls" not in chat
     chat = translate(codex_body(tool_choice={"type": "function", "name": "exec_command"})).chat_body
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "exec_command"}}
-    assert "tool_choice" not in translate(codex_body(tool_choice={"type": "web_search"})).chat_body  # names a dropped tool
+    assert (
+        "tool_choice" not in translate(codex_body(tool_choice={"type": "web_search"})).chat_body
+    )  # names a dropped tool
 
 
 def test_generation_settings_map():
@@ -124,17 +175,27 @@ def test_generation_settings_map():
         "max_tokens": 64,
         "temperature": 0.2,
         "top_p": 0.9,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "out", "schema": {"type": "object"}, "strict": True}},
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "out", "schema": {"type": "object"}, "strict": True},
+        },
         "chat_template_kwargs": {"enable_thinking": False},
     }
     chat = translate({**body, "text": {"format": {"type": "json_object"}}, "chat_template_kwargs": None}).chat_body
-    assert chat["response_format"] == {"type": "json_object"} and chat["chat_template_kwargs"] == {"enable_thinking": True}
-    chat = translate({**body, "text": {"format": {"type": "text"}}, "reasoning": {"effort": "none"}, "chat_template_kwargs": None}).chat_body
+    assert chat["response_format"] == {"type": "json_object"} and chat["chat_template_kwargs"] == {
+        "enable_thinking": True
+    }
+    chat = translate(
+        {**body, "text": {"format": {"type": "text"}}, "reasoning": {"effort": "none"}, "chat_template_kwargs": None}
+    ).chat_body
     assert "response_format" not in chat and chat["chat_template_kwargs"] == {"enable_thinking": False}
 
 
 def test_images_stay_parts():
-    content = [{"type": "input_text", "text": "what is this?"}, {"type": "input_image", "image_url": "data:image/png;base64,AA=="}]
+    content = [
+        {"type": "input_text", "text": "what is this?"},
+        {"type": "input_image", "image_url": "data:image/png;base64,AA=="},
+    ]
     chat = translate({"input": [{"role": "user", "content": content}]}).chat_body
     assert chat["messages"][0]["content"] == [
         {"type": "text", "text": "what is this?"},
@@ -151,7 +212,10 @@ def test_images_stay_parts():
         ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "'input_file'"),
         ({"input": {"role": "user"}}, "string or an array"),
         ({"input": ["hi"]}, r"'input\[0\]': expected an object, but got a string"),
-        ({"input": [{"role": "user", "content": 5}]}, r"'input\[0\]\.content': expected a string or an array of objects"),
+        (
+            {"input": [{"role": "user", "content": 5}]},
+            r"'input\[0\]\.content': expected a string or an array of objects",
+        ),
         ({"input": [{"role": "tool", "content": "x"}]}, "role 'tool'"),
         ({"input": "hi", "instructions": ["x"]}, "'instructions'"),
     ],
@@ -165,13 +229,21 @@ def test_only_the_responses_path_is_translated():
     # The addon detects Responses by an "input" field when the path says nothing; embeddings have one too.
     with pytest.raises(native.BadRequest, match="not a Responses call"):
         responses.start({"model": "m", "input": "hi"}, "/v1/embeddings", {}, OPTIONS)
-    assert responses.start({"input": "hi"}, "/openai/v1/responses?api-version=preview", {}, OPTIONS).chat_body["messages"]
+    assert responses.start({"input": "hi"}, "/openai/v1/responses?api-version=preview", {}, OPTIONS).chat_body[
+        "messages"
+    ]
 
 
 def test_error_body_is_openai_shaped_and_context_overflow_makes_codex_compact():
-    overflow = responses.error_body(400, "This model's maximum context length is 2048 tokens. However, you requested 4000 tokens.")
-    assert overflow["error"]["code"] == "context_length_exceeded" and overflow["error"]["type"] == "invalid_request_error"
-    assert responses.error_body(502, "refused") == {"error": {"message": "refused", "type": "server_error", "param": None, "code": None}}
+    overflow = responses.error_body(
+        400, "This model's maximum context length is 2048 tokens. However, you requested 4000 tokens."
+    )
+    assert (
+        overflow["error"]["code"] == "context_length_exceeded" and overflow["error"]["type"] == "invalid_request_error"
+    )
+    assert responses.error_body(502, "refused") == {
+        "error": {"message": "refused", "type": "server_error", "param": None, "code": None}
+    }
     assert responses.error_body(429, "slow down")["error"]["type"] == "rate_limit_error"
 
 
@@ -182,7 +254,13 @@ HEAD = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "mo
 
 def chunk(delta=None, finish=None, **extra):
     """A vLLM-shaped chunk, with the token fields the translator must ignore."""
-    choice = {"index": 0, "delta": delta or {}, "logprobs": {"content": [{"token": "x", "logprob": -0.1}]}, "finish_reason": finish, "token_ids": [7]}
+    choice = {
+        "index": 0,
+        "delta": delta or {},
+        "logprobs": {"content": [{"token": "x", "logprob": -0.1}]},
+        "finish_reason": finish,
+        "token_ids": [7],
+    }
     return {**HEAD, "choices": [choice], **extra}
 
 
@@ -194,10 +272,27 @@ CHUNKS = [
     chunk({"reasoning": THOUGHT[20:]}),
     chunk({"content": "Let me "}),
     chunk({"content": "look."}),
-    chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "exec_command", "arguments": ""}}]}),
+    chunk(
+        {
+            "tool_calls": [
+                {"index": 0, "id": "call_1", "type": "function", "function": {"name": "exec_command", "arguments": ""}}
+            ]
+        }
+    ),
     chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"cmd": '}}]}),
     chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"ls"}'}}]}),
-    chunk({"tool_calls": [{"index": 1, "id": "call_2", "type": "function", "function": {"name": "exec_command", "arguments": '{"cmd": "pwd"}'}}]}),
+    chunk(
+        {
+            "tool_calls": [
+                {
+                    "index": 1,
+                    "id": "call_2",
+                    "type": "function",
+                    "function": {"name": "exec_command", "arguments": '{"cmd": "pwd"}'},
+                }
+            ]
+        }
+    ),
     chunk({}, "tool_calls"),
     USAGE,
 ]
@@ -213,7 +308,9 @@ MESSAGE = {
 
 
 def upstream_bytes(chunks):
-    return b"".join(b"data: " + json.dumps(c, ensure_ascii=False).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+    return (
+        b"".join(b"data: " + json.dumps(c, ensure_ascii=False).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+    )
 
 
 def play(translation, data, sizes):
@@ -297,9 +394,17 @@ def test_stream_translates_reasoning_text_and_two_calls(piece):
 
 def test_each_chunk_is_answered_as_it_arrives():
     translation = translate(codex_body())
-    due = ["response.created", "response.reasoning_text.delta", "response.reasoning_text.delta", "response.output_text.delta",
-           "response.output_text.delta", "response.output_item.added", "response.function_call_arguments.delta",
-           "response.function_call_arguments.delta", "response.function_call_arguments.delta"]
+    due = [
+        "response.created",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.delta",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta",
+    ]
     for c, event in zip(CHUNKS, due):
         assert f"event: {event}\n".encode() in translation.events(c)
     assert translation.events(CHUNKS[9]) == translation.events(USAGE) == b""  # the end waits for usage and finish
@@ -311,8 +416,14 @@ def test_non_streamed_answer_equals_the_streamed_final_response():
     plain = translate(codex_body(stream=False))
     assert plain.stream is False
     body = plain.answer(
-        {"id": "chatcmpl-1", "object": "chat.completion", "model": "served", "prompt_token_ids": [1],
-         "choices": [{"index": 0, "message": MESSAGE, "finish_reason": "tool_calls", "token_ids": [7]}], "usage": USAGE["usage"]}
+        {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "model": "served",
+            "prompt_token_ids": [1],
+            "choices": [{"index": 0, "message": MESSAGE, "finish_reason": "tool_calls", "token_ids": [7]}],
+            "usage": USAGE["usage"],
+        }
     )
     assert body["id"].startswith("resp_") and body["object"] == "response"
     Response.model_validate(body)
@@ -337,10 +448,15 @@ def test_reasoning_round_trip():
 
 def test_length_gives_response_incomplete():
     translation = translate(codex_body(max_output_tokens=3))
-    out = b"".join(translation.events(c) for c in [CHUNKS[0], chunk({"content": "Let"}), chunk({"content": " me"}, "length"), USAGE])
+    out = b"".join(
+        translation.events(c)
+        for c in [CHUNKS[0], chunk({"content": "Let"}), chunk({"content": " me"}, "length"), USAGE]
+    )
     events = parse(out + translation.finish(True))
     last = events[-1]
-    assert last["type"] == "response.incomplete" and last["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert last["type"] == "response.incomplete" and last["response"]["incomplete_details"] == {
+        "reason": "max_output_tokens"
+    }
     assert last["response"]["status"] == "incomplete" and last["response"]["output"][0]["status"] == "incomplete"
 
 
@@ -356,8 +472,13 @@ def test_broken_stream_gives_response_failed(cut, complete):
 
 def test_a_tool_name_in_pieces_is_joined():
     translation = translate(codex_body())
-    pieces = [{"index": 0, "id": "call_1", "function": {"name": "exec_"}}, {"index": 0, "function": {"name": "command", "arguments": "{}"}}]
-    out = b"".join(translation.events(chunk({"tool_calls": [p]})) for p in pieces) + translation.events(chunk({}, "tool_calls"))
+    pieces = [
+        {"index": 0, "id": "call_1", "function": {"name": "exec_"}},
+        {"index": 0, "function": {"name": "command", "arguments": "{}"}},
+    ]
+    out = b"".join(translation.events(chunk({"tool_calls": [p]})) for p in pieces) + translation.events(
+        chunk({}, "tool_calls")
+    )
     (call,) = parse(out + translation.finish(True))[-1]["response"]["output"]
     assert (call["name"], call["arguments"]) == ("exec_command", "{}")
 
@@ -372,4 +493,6 @@ def test_a_tool_call_resumed_after_another_output_is_refused():
 
 def test_error_keeps_the_status_message():
     translation = translate(codex_body())
-    assert translation.error(503, "busy") == {"error": {"message": "busy", "type": "server_error", "param": None, "code": None}}
+    assert translation.error(503, "busy") == {
+        "error": {"message": "busy", "type": "server_error", "param": None, "code": None}
+    }

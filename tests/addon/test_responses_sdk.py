@@ -16,7 +16,11 @@ pytestmark = pytest.mark.slow
 
 THOUGHT = "The user wants a file; a shell command writes it."
 SCRIPT = [
-    {"reasoning": THOUGHT, "content": None, "tool_calls": [{"name": "exec_command", "arguments": {"cmd": "echo hi > out.txt"}}]},
+    {
+        "reasoning": THOUGHT,
+        "content": None,
+        "tool_calls": [{"name": "exec_command", "arguments": {"cmd": "echo hi > out.txt"}}],
+    },
     {"content": "Done: out.txt holds hi.", "tool_calls": []},
 ]
 TOOLS = [
@@ -76,7 +80,11 @@ def comparable(response):
 
     def strip(value):
         if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items() if k not in ("id", "call_id", "created_at", "parsed", "parsed_arguments")}
+            return {
+                k: strip(v)
+                for k, v in value.items()
+                if k not in ("id", "call_id", "created_at", "parsed", "parsed_arguments")
+            }
         if isinstance(value, list):
             return [strip(v) for v in value]
         return value
@@ -96,12 +104,18 @@ def test_reasoning_and_tool_call_round_trip_streamed_equals_non_streamed(proxy):
     assert first.model == "gpt-5-codex" and first.status == "completed" and first.usage.output_tokens > 0
     reasoning, fc = first.output
     assert reasoning.type == "reasoning" and native.read_reasoning(reasoning.encrypted_content) == THOUGHT
-    assert fc.type == "function_call" and fc.name == "exec_command" and json.loads(fc.arguments) == {"cmd": "echo hi > out.txt"}
+    assert (
+        fc.type == "function_call"
+        and fc.name == "exec_command"
+        and json.loads(fc.arguments) == {"cmd": "echo hi > out.txt"}
+    )
     assert second.output_text == "Done: out.txt holds hi." and second.status == "completed"
 
     for session, stream in (("sess-resp-s", True), ("sess-resp-n", False)):
         records = read_records(proxy.captures, session=session, expect=2)
-        assert [(r["api"], r["status"], r["complete"], r["streamed"]) for r in records] == [("responses", 200, True, stream)] * 2
+        assert [(r["api"], r["status"], r["complete"], r["streamed"]) for r in records] == [
+            ("responses", 200, True, stream)
+        ] * 2
         sent = [r["upstream_request"] for r in records]
         assert sent[0]["model"] == "tiny" and [t["function"]["name"] for t in sent[0]["tools"]] == ["exec_command"]
         # The reasoning item came back as encrypted_content and went upstream as the reasoning it encodes.
@@ -109,7 +123,13 @@ def test_reasoning_and_tool_call_round_trip_streamed_equals_non_streamed(proxy):
             "role": "assistant",
             "content": None,
             "reasoning": THOUGHT,
-            "tool_calls": [{"id": fc_id(records[0], stream), "type": "function", "function": {"name": "exec_command", "arguments": '{"cmd": "echo hi > out.txt"}'}}],
+            "tool_calls": [
+                {
+                    "id": fc_id(records[0], stream),
+                    "type": "function",
+                    "function": {"name": "exec_command", "arguments": '{"cmd": "echo hi > out.txt"}'},
+                }
+            ],
         }
         (prompt0, ids0, logprobs0), (prompt1, ids1, _) = tokens_of(records[0]), tokens_of(records[1])
         assert len(ids0) == len(logprobs0) > 0 and ids1
@@ -130,7 +150,9 @@ def test_upstream_context_overflow_is_an_openai_error_that_makes_codex_compact(p
         # More output than the model's context leaves room for: the upstream refuses, as vLLM does.
         c.responses.create(input=FIRST_INPUT, max_output_tokens=40_000, stream=stream, **REQUEST)
     assert raised.value.status_code == 400
-    assert raised.value.body["code"] == "context_length_exceeded" and raised.value.body["type"] == "invalid_request_error"
+    assert (
+        raised.value.body["code"] == "context_length_exceeded" and raised.value.body["type"] == "invalid_request_error"
+    )
     assert "maximum context length" in raised.value.body["message"]
 
 

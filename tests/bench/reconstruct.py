@@ -173,7 +173,13 @@ class Session:
     def _record(self, t: float, a: list[int], *, retried: bool) -> bytes:
         self.sampled += len(a)
         self.prompt_total += self.prompt_n
-        request = {"model": "bench", "messages": self.messages, "tools": TOOLS, "temperature": 1.0, "stream": self.streamed}
+        request = {
+            "model": "bench",
+            "messages": self.messages,
+            "tools": TOOLS,
+            "temperature": 1.0,
+            "stream": self.streamed,
+        }
         logprobs = (-self.rng.exponential(0.7, size=len(a))).round(6).tolist()
         ex = Exchange(
             session_id=f"bench-{self.k:04d}",
@@ -221,14 +227,20 @@ class Session:
         )
 
     def _stream(self, a: list[int], logprobs: list[float]) -> list[bytes]:
-        head = f'data: {{"id":"chatcmpl-{self.k}-{self.m}","object":"chat.completion.chunk","created":0,"model":"bench",'
-        first = head + '"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],'
+        head = (
+            f'data: {{"id":"chatcmpl-{self.k}-{self.m}","object":"chat.completion.chunk","created":0,"model":"bench",'
+        )
+        first = (
+            head
+            + '"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],'
+        )
         chunks = [(first + f'"prompt_token_ids":[{self.prompt}]}}\n\n').encode()]
         for n, (i, lp) in enumerate(zip(a, logprobs)):
             finish = '"stop"' if n == len(a) - 1 else "null"
             chunks.append(
                 (
-                    head + f'"choices":[{{"index":0,"delta":{{"content":"t{i} "}},"logprobs":{{"content":[{{"token":"t{i}",'
+                    head
+                    + f'"choices":[{{"index":0,"delta":{{"content":"t{i} "}},"logprobs":{{"content":[{{"token":"t{i}",'
                     f'"logprob":{lp},"bytes":[116],"top_logprobs":[]}}]}},"finish_reason":{finish},"token_ids":[{i}]}}]}}\n\n'
                 ).encode()
             )
@@ -285,7 +297,9 @@ def generate(folder: Path, cfg: Config) -> dict[str, Any]:
         "largest_session_bytes": largest,
         "prompt_tokens": sum(s.prompt_total for s in sessions),
         "sampled_tokens": sum(s.sampled for s in sessions),
-        "expected_traces": n_sessions + sum(s.compact_at is not None for s in sessions) + sum(s.retry_at is not None for s in sessions),
+        "expected_traces": n_sessions
+        + sum(s.compact_at is not None for s in sessions)
+        + sum(s.retry_at is not None for s in sessions),
     }
 
 
@@ -364,7 +378,17 @@ def _maxrss() -> int:
 
 
 def child(cfg: Config, phase: str, folder: Path) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "tests.bench.reconstruct", "--phase", phase, "--captures", str(folder), "--jobs", str(cfg.jobs)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.bench.reconstruct",
+        "--phase",
+        phase,
+        "--captures",
+        str(folder),
+        "--jobs",
+        str(cfg.jobs),
+    ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"{phase} failed:\n{done.stderr[-3000:]}")
@@ -374,7 +398,9 @@ def child(cfg: Config, phase: str, folder: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------- report
 
 
-def report(cfg: Config, gen: dict[str, Any], parse: dict[str, Any], rec: dict[str, Any], par: dict[str, Any], gen_s: float) -> tuple[Table, str, dict[str, Any]]:
+def report(
+    cfg: Config, gen: dict[str, Any], parse: dict[str, Any], rec: dict[str, Any], par: dict[str, Any], gen_s: float
+) -> tuple[Table, str, dict[str, Any]]:
     mb = 1 << 20
     ratio = rec["seconds"] / parse["seconds"]
     cpu_ratio = rec["cpu_seconds"] / parse["cpu_seconds"]
@@ -419,9 +445,17 @@ def report(cfg: Config, gen: dict[str, Any], parse: dict[str, Any], rec: dict[st
         f"{rec['traces']:,} = expected {gen['expected_traces']:,}; breaks {rec['breaks']}.",
     ]
     md = ["| metric | value |", "| --- | ---: |", *[f"| {n} | {v} |" for n, v in rows], "", *[f"- {n}" for n in notes]]
-    raw = {"config": dataclasses.asdict(cfg) | {"out": str(cfg.out), "keep": str(cfg.keep)}, "generated": gen,
-           "parse": parse, "reconstruct": rec, "parallel": par, "ratio": ratio, "cpu_ratio": cpu_ratio,
-           "parallel_ratio": par_ratio, "when": when}
+    raw = {
+        "config": dataclasses.asdict(cfg) | {"out": str(cfg.out), "keep": str(cfg.keep)},
+        "generated": gen,
+        "parse": parse,
+        "reconstruct": rec,
+        "parallel": par,
+        "ratio": ratio,
+        "cpu_ratio": cpu_ratio,
+        "parallel_ratio": par_ratio,
+        "when": when,
+    }
     return table, "\n".join(md) + "\n", raw
 
 

@@ -152,7 +152,9 @@ def kill_round(cfg: Config, tmp: Path, n: int) -> dict[str, Any]:
                 k += 1
                 try:
                     body = _body(2000, stream=True, bench_chunks=50, bench_delay_s=0.01)
-                    with c.stream("POST", proxy.url + CHAT, json=body, headers={"authorization": f"Bearer {session}"}) as r:
+                    with c.stream(
+                        "POST", proxy.url + CHAT, json=body, headers={"authorization": f"Bearer {session}"}
+                    ) as r:
                         data = b"".join(r.iter_raw())
                     if r.status_code == 200 and data.rstrip().endswith(b"data: [DONE]"):
                         finished.append((session, time.monotonic()))
@@ -222,7 +224,9 @@ class Clients:
 
 def set_file_limit(pid: int, size: int | None) -> None:
     """``size`` bytes per file for the process (a full disk for the capture file at that size), or no limit."""
-    resource.prlimit(pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY if size is None else size, resource.RLIM_INFINITY))
+    resource.prlimit(
+        pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY if size is None else size, resource.RLIM_INFINITY)
+    )
 
 
 def disk_full(cfg: Config, tmp: Path) -> dict[str, Any]:
@@ -231,7 +235,11 @@ def disk_full(cfg: Config, tmp: Path) -> dict[str, Any]:
         with httpx.Client(timeout=60) as c:
             for i in range(20):  # the capture file outgrows mitmdump's log: the limit stops only records
                 c.post(proxy.url + CHAT, json=_body(50_000), headers={"authorization": f"Bearer warm-{i}"})
-        capture = Path(wait_for(lambda: health(proxy.port)["records_written"] == 20 and health(proxy.port)["capture_file"], "warm-up"))
+        capture = Path(
+            wait_for(
+                lambda: health(proxy.port)["records_written"] == 20 and health(proxy.port)["capture_file"], "warm-up"
+            )
+        )
         clients = Clients(proxy.url, cfg.disk_clients, "full")
         try:
             time.sleep(2.0)
@@ -370,7 +378,9 @@ def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
 
 def main(cfg: Config) -> int:
     started = time.monotonic()
-    result: dict[str, Any] = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(cfg).items()}}
+    result: dict[str, Any] = {
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(cfg).items()}
+    }
     try:
         with tempfile.TemporaryDirectory(prefix="polar-reliability-") as tmp_dir:
             tmp = Path(tmp_dir)
@@ -412,7 +422,12 @@ def main(cfg: Config) -> int:
     console.print(table)
     out = cfg.out if cfg.out.is_absolute() else ROOT / cfg.out
     out.parent.mkdir(parents=True, exist_ok=True)
-    md = ["| measure | value |", "| --- | ---: |", *(f"| {'↳ ' + n.strip() if n.startswith(' ') else n} | {v} |" for n, v in rows(result)), ""]
+    md = [
+        "| measure | value |",
+        "| --- | ---: |",
+        *(f"| {'↳ ' + n.strip() if n.startswith(' ') else n} | {v} |" for n, v in rows(result)),
+        "",
+    ]
     out.write_text("\n".join(md + [f"- {n}" for n in notes]) + "\n")
     out.with_suffix(".json").write_text(json.dumps({**result, "notes": notes}, indent=2) + "\n")
     console.print(f"wrote {out} and {out.with_suffix('.json')}")

@@ -70,9 +70,20 @@ def _model_dir(tmp: Path) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=8192, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
-                         max_position_embeddings=4096, bos_token_id=None, eos_token_id=2, pad_token_id=0)
+    config = Qwen3Config(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        bos_token_id=None,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     Qwen3ForCausalLM(config).save_pretrained(tmp / "model")
     return tmp / "model"
 
@@ -86,15 +97,30 @@ def step_benchmark(cfg: Config, console: Console) -> dict[str, object]:
     rounds = 3 if cfg.quick else 5
     with tempfile.TemporaryDirectory(prefix="polar-bench-train-") as tmpname:
         tmp = Path(tmpname)
-        gcfg = grpo.Config(trajectories=(), model=str(_model_dir(tmp)), output=tmp / "out", max_len=512,
-                           micro_batch_tokens=512, lora_r=16, lora_alpha=32, lr=1e-5)
+        gcfg = grpo.Config(
+            trajectories=(),
+            model=str(_model_dir(tmp)),
+            output=tmp / "out",
+            max_len=512,
+            micro_batch_tokens=512,
+            lora_r=16,
+            lora_alpha=32,
+            lr=1e-5,
+        )
         kl_cfg = dataclasses.replace(gcfg, kl_coef=0.01)
         policy = grpo.load_policy(gcfg, "no")
         rng = np.random.default_rng(0)
-        traces = [data.Trace(session=i // 2, tokens=rng.integers(3, 8192, 256), n_prompt=16, trained=np.arange(15, 255),
-                             behav_logp=(np.full(240, np.nan, np.float32) if i % 2 else
-                                         -rng.random(240).astype(np.float32) * 9), adv=float(i % 3) - 1)
-                  for i in range(4)]
+        traces = [
+            data.Trace(
+                session=i // 2,
+                tokens=rng.integers(3, 8192, 256),
+                n_prompt=16,
+                trained=np.arange(15, 255),
+                behav_logp=(np.full(240, np.nan, np.float32) if i % 2 else -rng.random(240).astype(np.float32) * 9),
+                adv=float(i % 3) - 1,
+            )
+            for i in range(4)
+        ]
         mbs = grpo.rank_micro_batches(traces, gcfg, losses.AGGREGATIONS[gcfg.loss_agg], rank=0, world=1)
         tokens = sum(mb.input_ids.shape[1] for mb in mbs)
         accelerator = Accelerator(cpu=True)
@@ -145,11 +171,18 @@ def step_benchmark(cfg: Config, console: Console) -> dict[str, object]:
             console.print(f"  step round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in cpu.items()))
     best = {k: min(v) for k, v in cpu.items()}
     median = {k: statistics.median(v) for k, v in cpu.items()}
-    return {"tokens_per_step": tokens, "threads": torch.get_num_threads(), "rounds": rounds, "cpu_s": cpu,
-            "wall_s": wall, "best_s": best, "median_s": median,
-            "tokens_per_s": {k: tokens / v for k, v in best.items()},
-            "ratio": {k: best[k] / best["plain"] for k in best},
-            "ratio_median": {k: median[k] / median["plain"] for k in median}}
+    return {
+        "tokens_per_step": tokens,
+        "threads": torch.get_num_threads(),
+        "rounds": rounds,
+        "cpu_s": cpu,
+        "wall_s": wall,
+        "best_s": best,
+        "median_s": median,
+        "tokens_per_s": {k: tokens / v for k, v in best.items()},
+        "ratio": {k: best[k] / best["plain"] for k in best},
+        "ratio_median": {k: median[k] / median["plain"] for k in median},
+    }
 
 
 # ---- 2. memory
@@ -194,8 +227,14 @@ def memory_benchmark(cfg: Config, console: Console) -> dict[str, object]:
         for method in ("fused", "full"):
             call = f"child_memory({method!r}, {tokens}, {hidden}, {vocab}, {chunk})"
             code = f"from tests.bench.train import child_memory; {call}"
-            out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
+            out = subprocess.run(
+                [sys.executable, "-c", code],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=600,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
             if out.returncode != 0:
                 raise RuntimeError(f"memory child {method} {tokens} failed:\n{out.stderr[-2000:]}")
             result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -240,14 +279,34 @@ def _table(head: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def tables(step: dict[str, object], memory: dict[str, object], verdicts: list[dict[str, object]]) -> list[tuple]:
-    labels = {"plain": "plain forward+backward (full logits, CE)", "grpo": "grpo step (first of a run)",
-              "grpo_old": "grpo step + pi_old pass (later steps)", "grpo_ref": "grpo step + reference pass (KL)"}
-    s = [[labels[k], f"{step['best_s'][k]:.3f}", f"{step['median_s'][k]:.3f}", f"{step['tokens_per_s'][k]:.0f}",
-          f"{step['ratio'][k]:.2f}x", f"{step['ratio_median'][k]:.2f}x"] for k in labels]
+    labels = {
+        "plain": "plain forward+backward (full logits, CE)",
+        "grpo": "grpo step (first of a run)",
+        "grpo_old": "grpo step + pi_old pass (later steps)",
+        "grpo_ref": "grpo step + reference pass (KL)",
+    }
+    s = [
+        [
+            labels[k],
+            f"{step['best_s'][k]:.3f}",
+            f"{step['median_s'][k]:.3f}",
+            f"{step['tokens_per_s'][k]:.0f}",
+            f"{step['ratio'][k]:.2f}x",
+            f"{step['ratio_median'][k]:.2f}x",
+        ]
+        for k in labels
+    ]
     by = {(r["method"], r["tokens"]): r["peak_bytes"] for r in memory["rows"]}
     sizes = sorted({r["tokens"] for r in memory["rows"]})
-    m = [[str(t), f"{by['fused', t] / 2**20:.0f}", f"{by['full', t] / 2**20:.0f}",
-          f"{t * memory['vocab'] * 4 / 2**20:.0f}"] for t in sizes]
+    m = [
+        [
+            str(t),
+            f"{by['fused', t] / 2**20:.0f}",
+            f"{by['full', t] / 2**20:.0f}",
+            f"{t * memory['vocab'] * 4 / 2**20:.0f}",
+        ]
+        for t in sizes
+    ]
     v = [[str(r["name"]), f"{r['value']:.3g}{r['unit']}", str(r["limit"]), str(r["result"])] for r in verdicts]
     return [
         (["step", "best CPU s", "median CPU s", "tokens/s (best)", "vs plain (best)", "vs plain (median)"], s),
@@ -295,8 +354,13 @@ def main(cfg: Config) -> int:
     out = cfg.out if cfg.out.is_absolute() else ROOT / cfg.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
-    doc = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(cfg).items()},
-           "step": step, "memory": memory, "targets": verdicts, "notes": note_lines}
+    doc = {
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(cfg).items()},
+        "step": step,
+        "memory": memory,
+        "targets": verdicts,
+        "notes": note_lines,
+    }
     out.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
     console.print(f"wrote {out} and {out.with_suffix('.json')} in {time.monotonic() - t0:.0f} s")
     return 0

@@ -65,7 +65,11 @@ def _turn() -> dict[str, Any]:
 
 def _chat(turn: dict[str, Any], stream: bool) -> dict[str, Any]:
     call = turn["call"]
-    tool_call = {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": json.dumps(call["args"])}}
+    tool_call = {
+        "id": call["id"],
+        "type": "function",
+        "function": {"name": call["name"], "arguments": json.dumps(call["args"])},
+    }
     return {
         "model": MODEL,
         "messages": [
@@ -82,15 +86,20 @@ def _chat(turn: dict[str, Any], stream: bool) -> dict[str, Any]:
 
 def _anthropic(turn: dict[str, Any], stream: bool) -> dict[str, Any]:
     call = turn["call"]
-    tools = [{"name": f["name"], "description": f["description"], "input_schema": f["parameters"]}
-             for f in (t["function"] for t in turn["tools"])]
+    tools = [
+        {"name": f["name"], "description": f["description"], "input_schema": f["parameters"]}
+        for f in (t["function"] for t in turn["tools"])
+    ]
     return {
         "model": MODEL,
         "max_tokens": 4096,
         "system": [{"type": "text", "text": turn["system"]}],
         "messages": [
             {"role": "user", "content": [{"type": "text", "text": turn["user"]}]},
-            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": call["name"], "input": call["args"]}]},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "toolu_1", "name": call["name"], "input": call["args"]}],
+            },
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": turn["result"]}]},
         ],
         "tools": tools,
@@ -105,7 +114,12 @@ def _responses(turn: dict[str, Any], stream: bool) -> dict[str, Any]:
         "instructions": turn["system"],
         "input": [
             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": turn["user"]}]},
-            {"type": "function_call", "call_id": call["id"], "name": call["name"], "arguments": json.dumps(call["args"])},
+            {
+                "type": "function_call",
+                "call_id": call["id"],
+                "name": call["name"],
+                "arguments": json.dumps(call["args"]),
+            },
             {"type": "function_call_output", "call_id": call["id"], "output": turn["result"]},
         ],
         "tools": [{"type": "function", **t["function"]} for t in turn["tools"]],
@@ -122,7 +136,10 @@ def _google(turn: dict[str, Any]) -> dict[str, Any]:
         "contents": [
             {"role": "user", "parts": [{"text": turn["user"]}]},
             {"role": "model", "parts": [{"functionCall": {"name": call["name"], "args": call["args"]}}]},
-            {"role": "user", "parts": [{"functionResponse": {"name": call["name"], "response": {"output": turn["result"]}}}]},
+            {
+                "role": "user",
+                "parts": [{"functionResponse": {"name": call["name"], "response": {"output": turn["result"]}}}],
+            },
         ],
         "tools": [{"functionDeclarations": [t["function"] for t in turn["tools"]]}],
         "generationConfig": {"maxOutputTokens": 4096},
@@ -153,12 +170,16 @@ def _expected_stream(chunks: int) -> str:
 
 def _check_chat_stream(events: list[tuple[str | None, str]], chunks: int) -> str | None:
     if len(events) != chunks + 1 or events[-1][1] != "[DONE]":
-        return f"{len(events)} events, last {events[-1][1][:40] if events else None!r} (want {chunks} chunks and [DONE])"
+        return (
+            f"{len(events)} events, last {events[-1][1][:40] if events else None!r} (want {chunks} chunks and [DONE])"
+        )
     parsed = [json.loads(d) for _, d in events[:-1]]
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in parsed if c.get("choices"))
     if text != _expected_stream(chunks):
         return f"reassembled text differs: {text[:60]!r}"
-    if parsed[-1]["choices"][0].get("finish_reason") != "stop" or not all(c["choices"][0].get("token_ids") for c in parsed):
+    if parsed[-1]["choices"][0].get("finish_reason") != "stop" or not all(
+        c["choices"][0].get("token_ids") for c in parsed
+    ):
         return "no finish_reason on the last chunk, or a chunk without token_ids"
     return None
 
@@ -462,8 +483,15 @@ def evaluate(stats: dict[str, dict[str, float | None]]) -> list[dict[str, object
     for api in APIS[1:]:
         value = stats.get(api, {}).get("first_event_vs_chat_ms")
         result = "n/a" if value is None else "PASS" if value <= FIRST_EVENT_LIMIT_MS else "MISS"
-        rows.append({"name": f"first byte, {api} - chat (translated stream)", "value": value, "unit": "ms",
-                     "target": f"<= {FIRST_EVENT_LIMIT_MS:g} ms", "result": result})
+        rows.append(
+            {
+                "name": f"first byte, {api} - chat (translated stream)",
+                "value": value,
+                "unit": "ms",
+                "target": f"<= {FIRST_EVENT_LIMIT_MS:g} ms",
+                "result": result,
+            }
+        )
     return rows
 
 

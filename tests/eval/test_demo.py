@@ -27,8 +27,13 @@ from reconstruct import schema
 ROOT = Path(__file__).resolve().parents[2]
 TASK, HELDOUT, TEACH = "polar-toy__retries-1", "polar-toy__units-1", "polar-toy__greeting-1"
 SAMPLES, HELDOUT_SAMPLES = 4, 2
-FIX = [{"content": None, "tool_calls": [{"name": "bash", "arguments": {"command": "sed -i 's/= 3/= 5/' client/policy.py"}}]},
-       {"content": "The retry limit is now 5.", "tool_calls": []}]
+FIX = [
+    {
+        "content": None,
+        "tool_calls": [{"name": "bash", "arguments": {"command": "sed -i 's/= 3/= 5/' client/policy.py"}}],
+    },
+    {"content": "The retry limit is now 5.", "tool_calls": []},
+]
 GIVE_UP = [{"content": "I cannot fix this.", "tool_calls": []}]
 SCRIPT = {"*retries-1-[02]": FIX, "*": GIVE_UP}
 STAGES = ["base", "sft", "grpo1"]
@@ -39,10 +44,41 @@ DEMO_TIMEOUT = 1200
 def demo_command(model: Path, tmp: Path) -> list[str]:
     script = tmp / "script.json"
     script.write_text(json.dumps(SCRIPT))
-    return [sys.executable, "-m", "eval.demo", "--model", str(model), "--script", str(script), "--teach", TEACH,
-            "--tasks", TASK, "--heldout", HELDOUT, "--samples", str(SAMPLES), "--heldout-samples",
-            str(HELDOUT_SAMPLES), "--rounds", "1", "--sft-steps", "2", "--sft-lr", "0.01", "--lr", "0.005",
-            "--grpo-steps", "1", "--max-tokens", "None", "--threads", "1", "--out", str(tmp / "runs")]
+    return [
+        sys.executable,
+        "-m",
+        "eval.demo",
+        "--model",
+        str(model),
+        "--script",
+        str(script),
+        "--teach",
+        TEACH,
+        "--tasks",
+        TASK,
+        "--heldout",
+        HELDOUT,
+        "--samples",
+        str(SAMPLES),
+        "--heldout-samples",
+        str(HELDOUT_SAMPLES),
+        "--rounds",
+        "1",
+        "--sft-steps",
+        "2",
+        "--sft-lr",
+        "0.01",
+        "--lr",
+        "0.005",
+        "--grpo-steps",
+        "1",
+        "--max-tokens",
+        "None",
+        "--threads",
+        "1",
+        "--out",
+        str(tmp / "runs"),
+    ]
 
 
 def fast_demo_run(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Path:
@@ -71,11 +107,21 @@ def records(folder: Path) -> list[dict]:
 @pytest.mark.timeout(DEMO_TIMEOUT)
 def test_demo_writes_the_run_folder_and_its_summary_agrees_with_the_files(demo_run):
     run = demo_run
-    for path in ("summary.json", "report.html", "logs/server.log", "logs/teacher-server.log", "teacher-script.json",
-                 "teacher/trajectories.parquet", "adapters/sft/adapter_model.safetensors", "adapters/sft/metrics.jsonl",
-                 "adapters/grpo1/adapter_config.json", "adapters/grpo1/metrics.jsonl",
-                 *(f"{s}/trajectories.parquet" for s in STAGES), *(f"{s}-heldout/rewards.parquet" for s in STAGES),
-                 *(f"logs/mitmdump-{s}.log" for s in STAGES)):
+    for path in (
+        "summary.json",
+        "report.html",
+        "logs/server.log",
+        "logs/teacher-server.log",
+        "teacher-script.json",
+        "teacher/trajectories.parquet",
+        "adapters/sft/adapter_model.safetensors",
+        "adapters/sft/metrics.jsonl",
+        "adapters/grpo1/adapter_config.json",
+        "adapters/grpo1/metrics.jsonl",
+        *(f"{s}/trajectories.parquet" for s in STAGES),
+        *(f"{s}-heldout/rewards.parquet" for s in STAGES),
+        *(f"logs/mitmdump-{s}.log" for s in STAGES),
+    ):
         assert (run / path).is_file(), path
     summary = json.loads((run / "summary.json").read_text())
     assert summary == {**summary, **demo_report.summary(run)}  # the numbers written are the files' numbers
@@ -103,7 +149,9 @@ def test_demo_writes_the_run_folder_and_its_summary_agrees_with_the_files(demo_r
     grpo = summary["train"]["grpo1"]
     assert grpo["steps"] == 1 and grpo["groups_with_signal"] == grpo["groups"] == 1
     gain = [t for t in summary["tests"] if t["to"] == "grpo1" and t["from"] == "sft"][0]
-    assert gain["p_value"] == pytest.approx(1.0) and gain["verdict"].startswith("no significant change")  # replayed: same counts
+    assert gain["p_value"] == pytest.approx(1.0) and gain["verdict"].startswith(
+        "no significant change"
+    )  # replayed: same counts
     assert "GRPO's own gain" in summary["note"] and "Held-out tasks" in summary["note"]
     report = (run / "report.html").read_text()
     assert report.count("<svg") == 1 + 2 and "accelerate launch" in report and "95 % interval" in report
@@ -116,8 +164,12 @@ def test_demo_writes_the_run_folder_and_its_summary_agrees_with_the_files(demo_r
 def sampled(run: Path, stage: str, rewarded: bool) -> list[tuple[int, float]]:
     """(token id, captured log-prob) of every sampled token of a stage's rewarded (or unrewarded) sessions."""
     traces = schema.read(demo_report.trajectories_path(run, stage)).filter(pl.col("reward") == float(rewarded))
-    return [(t, lp) for ids, lps, mask in zip(traces["response_ids"], traces["logprobs"], traces["loss_mask"])
-            for t, lp, m in zip(ids, lps, mask) if m]
+    return [
+        (t, lp)
+        for ids, lps, mask in zip(traces["response_ids"], traces["logprobs"], traces["loss_mask"])
+        for t, lp, m in zip(ids, lps, mask)
+        if m
+    ]
 
 
 def mean_logprob(run: Path, stage: str, rewarded: bool) -> float:
@@ -152,8 +204,14 @@ def descendants(pid: int) -> list[psutil.Process]:
 @pytest.mark.timeout(DEMO_TIMEOUT)
 def test_ctrl_c_stops_every_phase_and_service(tiny_model_dir, tmp_path):
     # Its own process group, signalled as a whole: what a terminal's Ctrl-C does to a foreground job.
-    demo = subprocess.Popen(demo_command(tiny_model_dir, tmp_path), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    demo = subprocess.Popen(
+        demo_command(tiny_model_dir, tmp_path),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + DEMO_TIMEOUT / 2  # the teacher and SFT phases come first
     while not list(tmp_path.glob("runs/*/captures/base/*.jsonl")) and time.monotonic() < deadline:
         assert demo.poll() is None, demo.stdout.read()

@@ -49,9 +49,19 @@ def run_tables(run_dir, sessions: list[tuple[str, str, int]], rewards: list[tupl
     write_sessions(
         pl.DataFrame(
             [
-                {"session_id": s, "task_id": t, "sample_id": n, "harness": "mini", "model": "tiny", "status": "ok",
-                 "exit_code": 0, "started_at": "2026-01-01T00:00:00+00:00", "duration_s": 1.0, "patch": "x",
-                 "error": None}
+                {
+                    "session_id": s,
+                    "task_id": t,
+                    "sample_id": n,
+                    "harness": "mini",
+                    "model": "tiny",
+                    "status": "ok",
+                    "exit_code": 0,
+                    "started_at": "2026-01-01T00:00:00+00:00",
+                    "duration_s": 1.0,
+                    "patch": "x",
+                    "error": None,
+                }
                 for s, t, n in sessions
             ],
             schema=SESSIONS_SCHEMA,
@@ -61,8 +71,16 @@ def run_tables(run_dir, sessions: list[tuple[str, str, int]], rewards: list[tupl
     write_rewards(
         pl.DataFrame(
             [
-                {"session_id": s, "task_id": t, "sample_id": n, "harness": "mini", "reward": r, "resolved": r == 1.0,
-                 "reason": "graded", "report": None}
+                {
+                    "session_id": s,
+                    "task_id": t,
+                    "sample_id": n,
+                    "harness": "mini",
+                    "reward": r,
+                    "resolved": r == 1.0,
+                    "reason": "graded",
+                    "report": None,
+                }
                 for s, t, n, r in rewards
             ],
             schema=REWARDS_SCHEMA,
@@ -134,8 +152,16 @@ def rewards_table(results: dict[tuple[str, str], list[bool]]) -> pl.DataFrame:
     """(harness, task) -> resolved per sample."""
     return pl.DataFrame(
         [
-            {"session_id": f"{h}-{t}-{i}", "task_id": t, "sample_id": i, "harness": h, "reward": float(ok),
-             "resolved": ok, "reason": "graded", "report": None}
+            {
+                "session_id": f"{h}-{t}-{i}",
+                "task_id": t,
+                "sample_id": i,
+                "harness": h,
+                "reward": float(ok),
+                "resolved": ok,
+                "reason": "graded",
+                "report": None,
+            }
             for (h, t), oks in results.items()
             for i, ok in enumerate(oks)
         ],

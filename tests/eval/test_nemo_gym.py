@@ -147,14 +147,31 @@ def trace(prompt, pieces, *, n_calls=None, chain_index=0):
         messages.append({"role": "assistant", "content": f"turn {k}"})
         if k < n - 1:
             messages.append({"role": "tool", "tool_call_id": "c", "content": "ok"})
-    return {"trace_id": f"s/{chain_index}", "chain_index": chain_index, "n_calls": n_calls or n, "token_source": "captured",
-            "prompt_ids": prompt, "response_ids": response, "loss_mask": mask,
-            "logprobs": [-0.5 * m for m in mask], "messages": {"messages": messages, "tools": None}}
+    return {
+        "trace_id": f"s/{chain_index}",
+        "chain_index": chain_index,
+        "n_calls": n_calls or n,
+        "token_source": "captured",
+        "prompt_ids": prompt,
+        "response_ids": response,
+        "loss_mask": mask,
+        "logprobs": [-0.5 * m for m in mask],
+        "messages": {"messages": messages, "tools": None},
+    }
 
 
 def results(traces, **session):
-    base = {"session_id": "s", "status": "ok", "reward": 1.0, "resolved": True, "reason": "graded", "patch": "diff",
-            "calls": sum(t["n_calls"] for t in traces), "incomplete_calls": 0, "traces": traces}
+    base = {
+        "session_id": "s",
+        "status": "ok",
+        "reward": 1.0,
+        "resolved": True,
+        "reason": "graded",
+        "patch": "diff",
+        "calls": sum(t["n_calls"] for t in traces),
+        "incomplete_calls": 0,
+        "traces": traces,
+    }
     return {"job_id": "j", "status": "done", "sessions": [base | session]}
 
 
@@ -167,7 +184,11 @@ def test_calls_split_on_loss_mask_runs():
     ("traces", "session", "reasons"),
     [
         ([trace([1], [([2], True), ([3], False), ([4], True)])], {}, []),
-        ([trace([1], [([2], True), ([3], False), ([4], True)]), trace([9], [([8], True)], chain_index=1)], {}, ["several_chains"]),
+        (
+            [trace([1], [([2], True), ([3], False), ([4], True)]), trace([9], [([8], True)], chain_index=1)],
+            {},
+            ["several_chains"],
+        ),
         ([trace([1], [([2], True)])], {"incomplete_calls": 1}, ["incomplete_capture"]),
         ([trace([1], [([2], True)])], {"calls": 2}, ["incomplete_capture"]),
         ([trace([1], [([2], True)])], {"status": "timeout"}, ["timeout"]),
@@ -187,8 +208,12 @@ def test_mask_sample_flags_what_nemo_rl_must_not_train_on(traces, session, reaso
 def test_contiguity_errors_name_the_broken_item():
     good = {"type": "message", "prompt_token_ids": [1], "generation_token_ids": [2], "generation_log_probs": [-1.0]}
     rerendered = good | {"prompt_token_ids": [1, 7, 3]}  # does not start with 1, 2
-    assert contiguity_errors([good, rerendered]) == ["output[1]: prompt_token_ids do not start with the 2 tokens seen before"]
-    assert contiguity_errors([good | {"generation_log_probs": None}])[0].startswith("output[0]: prompt_token_ids, generation")
+    assert contiguity_errors([good, rerendered]) == [
+        "output[1]: prompt_token_ids do not start with the 2 tokens seen before"
+    ]
+    assert contiguity_errors([good | {"generation_log_probs": None}])[0].startswith(
+        "output[0]: prompt_token_ids, generation"
+    )
     assert contiguity_errors([good | {"generation_log_probs": [-1.0, -2.0]}]) == [
         "output[0]: 2 generation_log_probs for 1 generation ids"
     ]

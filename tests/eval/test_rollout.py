@@ -66,8 +66,14 @@ def test_mini_and_shell_rollouts_line_up_with_captures_rewards_and_traces(proxy,
     agent = f"{shlex.quote(sys.executable)} -P -m eval.mini --model tiny --workspace ."
     agent += ' --base-url "$OPENAI_BASE_URL" --api-key "$OPENAI_API_KEY" --prompt-file <(printf %s {instruction})'
     shell = rollout.Args(
-        tasks="toy", instance_ids=tuple(ids), harness="shell", command=agent, proxy=proxy.url, out=shell_run,
-        concurrency=2, timeout=120,
+        tasks="toy",
+        instance_ids=tuple(ids),
+        harness="shell",
+        command=agent,
+        proxy=proxy.url,
+        out=shell_run,
+        concurrency=2,
+        timeout=120,
     )
     assert rollout.main(shell) == 0
     stdout, stderr = mini.communicate(timeout=240)
@@ -111,9 +117,19 @@ def test_mini_and_shell_rollouts_line_up_with_captures_rewards_and_traces(proxy,
     # Traces of the mini run get its tasks and rewards; the shell run's sessions, in the same captures, stay apart.
     traces = tmp_path / "trajectories.parquet"
     subprocess.run(
-        [sys.executable, "-m", "reconstruct", str(proxy.captures), "-o", str(traces), "--sessions",
-         str(mini_run / "sessions.parquet"), "--no-progress"],
-        check=True, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "reconstruct",
+            str(proxy.captures),
+            "-o",
+            str(traces),
+            "--sessions",
+            str(mini_run / "sessions.parquet"),
+            "--no-progress",
+        ],
+        check=True,
+        capture_output=True,
     )
     assert eval.join.main(eval.join.Args(traces, mini_run, tmp_path / "joined.parquet")) == 0
     joined = schema.read(tmp_path / "joined.parquet")
@@ -141,8 +157,18 @@ def test_crashing_hanging_idle_and_unstartable_harnesses_are_recorded_and_the_ru
     command = by_commit(failures, tasks, default="echo {instruction} > /dev/null")
     run = tmp_path / "run"
     nowhere = "http://127.0.0.1:9/v1"  # nothing listens: no model call is made
-    main(Args(tasks=str(task_file), harness="shell", command=command, proxy=nowhere, out=run, timeout=3, concurrency=2,
-              proxy_check=False))
+    main(
+        Args(
+            tasks=str(task_file),
+            harness="shell",
+            command=command,
+            proxy=nowhere,
+            out=run,
+            timeout=3,
+            concurrency=2,
+            proxy_check=False,
+        )
+    )
 
     sessions = read_sessions(run)
     statuses = dict(zip(sessions["task_id"], sessions.select("status", "exit_code", "error").iter_rows()))

@@ -51,9 +51,25 @@ def call(url, method, path, body=None, token=TOKEN):
 
 
 def start_service(proxy, root, token_file, log) -> Service:
-    cmd = [sys.executable, "-m", "eval.rollout_service", "--proxy", proxy.url, "--captures", str(proxy.captures),
-           "--root", str(root), "--token-file", str(token_file), "--workers", "2", "--session-concurrency", "2",
-           "--grade-timeout", "60"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "eval.rollout_service",
+        "--proxy",
+        proxy.url,
+        "--captures",
+        str(proxy.captures),
+        "--root",
+        str(root),
+        "--token-file",
+        str(token_file),
+        "--workers",
+        "2",
+        "--session-concurrency",
+        "2",
+        "--grade-timeout",
+        "60",
+    ]
     port = free_port()
     return Service([*cmd, "--port", str(port)], port=port, log=log)
 
@@ -61,7 +77,10 @@ def start_service(proxy, root, token_file, log) -> Service:
 def gym_run(url, task, token_file):
     """One Gym dataset row through /run: Gym's answer (a dict) and which code produced it."""
     row = {"responses_create_params": {"input": []}, "instance": task}
-    if GYM_PYTHON.exists() and subprocess.run([GYM_PYTHON, "-c", "import nemo_gym"], capture_output=True).returncode == 0:
+    if (
+        GYM_PYTHON.exists()
+        and subprocess.run([GYM_PYTHON, "-c", "import nemo_gym"], capture_output=True).returncode == 0
+    ):
         # app.py under Gym's own FastAPI and models, on the first example row: the same task
         cmd = [GYM_PYTHON, "check_gym.py", "--service", url, "--token-file", str(token_file)]
         done = subprocess.run(cmd, cwd=GYM_AGENT, capture_output=True, text=True, timeout=300)
@@ -93,7 +112,11 @@ def proxy(tasks, tiny_model_dir, tmp_path_factory):
     gold = f"git apply <<'EOF_GOLD'\n{tasks['fixed']['patch']}EOF_GOLD"
     command = f'case "$(git rev-parse HEAD)" in\n{tasks["fixed"]["base_commit"]}) {gold}\n;;\n*) printf x > NOTES.txt\n;;\nesac'
     script = [
-        {"reasoning": "Fix it in place.", "content": None, "tool_calls": [{"name": "bash", "arguments": {"command": command}}]},
+        {
+            "reasoning": "Fix it in place.",
+            "content": None,
+            "tool_calls": [{"name": "bash", "arguments": {"command": command}}],
+        },
         {"content": "Done: the fix is in.", "tool_calls": []},
     ]
     with scripted_proxy(tiny_model_dir, script, tmp_path_factory.mktemp("service")) as proxy:
@@ -111,13 +134,19 @@ def test_service_runs_grades_reconstructs_cancels_and_survives_a_restart(proxy, 
         assert status == 200 and health["status"] == "ok"
         assert call(url, "GET", "/v1/jobs", token=None)[0] == 401
         assert call(url, "GET", "/v1/jobs", token="wrong")[0] == 401
-        status, refused = call(url, "POST", "/v1/jobs", {"instance_id": tasks["fixed"]["instance_id"], "harness": "vim"})
+        status, refused = call(
+            url, "POST", "/v1/jobs", {"instance_id": tasks["fixed"]["instance_id"], "harness": "vim"}
+        )
         assert status == 400 and refused["error"].startswith("harness:")
         status, refused = call(url, "POST", "/v1/jobs", {"instance_id": "nope", "harness": "mini"})
         assert status == 400 and refused["error"].startswith("instance:")
 
         # Cancel a running job: its harness (own process group, under the rollout process) is killed too.
-        hang = {"instance_id": tasks["crash"]["instance_id"], "harness": "shell", "command": f"{HANG_MARKER}; : {{instruction}}"}
+        hang = {
+            "instance_id": tasks["crash"]["instance_id"],
+            "harness": "shell",
+            "command": f"{HANG_MARKER}; : {{instruction}}",
+        }
         hang_id = call(url, "POST", "/v1/jobs", hang)[1]["job_id"]
         deadline = time.time() + 60
         while not any(HANG_MARKER in " ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])):
@@ -129,9 +158,19 @@ def test_service_runs_grades_reconstructs_cancels_and_survives_a_restart(proxy, 
 
         broken = tasks["broken"] | {"instance_id": "polar-toy__broken-grader-1", "eval_script": "#!/bin/bash\nexit 7\n"}
         submitted = {
-            "mini": {"instance_id": tasks["fixed"]["instance_id"], "tasks": "toy", "harness": "mini", "samples": 2, "timeout": 120},
+            "mini": {
+                "instance_id": tasks["fixed"]["instance_id"],
+                "tasks": "toy",
+                "harness": "mini",
+                "samples": 2,
+                "timeout": 120,
+            },
             "pi": {"instance": tasks["fixed"], "harness": "pi", "timeout": 240, "metadata": {"who": "test"}},
-            "crash": {"instance_id": tasks["crash"]["instance_id"], "harness": "shell", "command": "exit 3; : {instruction}"},
+            "crash": {
+                "instance_id": tasks["crash"]["instance_id"],
+                "harness": "shell",
+                "command": "exit 3; : {instruction}",
+            },
             "grade": {"instance": broken, "harness": "shell", "command": "printf x > NOTES.txt; : {instruction}"},
         }
         with ThreadPoolExecutor(1) as pool:
@@ -165,7 +204,11 @@ def test_service_runs_grades_reconstructs_cancels_and_survives_a_restart(proxy, 
         assert results["grade"]["phase_errors"] == {}
 
         # Gym's answer: the swebench reward, the main chain's token triple on the last item of each call.
-        assert (answer["reward"], answer["resolved"], answer["instance_config"]) == (1.0, True, {"mask_sample": False}), produced_by
+        assert (answer["reward"], answer["resolved"], answer["instance_config"]) == (
+            1.0,
+            True,
+            {"mask_sample": False},
+        ), produced_by
         assert contiguity_errors(answer["response"]["output"]) == []
         carriers = [item for item in answer["response"]["output"] if item.get("generation_token_ids")]
         assert [item["type"] for item in carriers] == ["function_call", "message"]

@@ -111,9 +111,22 @@ def test_run_dir_sessions_are_graded(toy, tmp_path):
     ]
     write_sessions(
         pl.DataFrame(
-            [{"session_id": sid, "task_id": PAGER, "sample_id": i, "harness": "pi", "model": "m", "status": status,
-              "exit_code": 0, "started_at": "2025-01-01T00:00:00Z", "duration_s": 1.0, "patch": patch,
-              "error": None if status == "ok" else "x"} for i, (sid, status, patch) in enumerate(sessions)]
+            [
+                {
+                    "session_id": sid,
+                    "task_id": PAGER,
+                    "sample_id": i,
+                    "harness": "pi",
+                    "model": "m",
+                    "status": status,
+                    "exit_code": 0,
+                    "started_at": "2025-01-01T00:00:00Z",
+                    "duration_s": 1.0,
+                    "patch": patch,
+                    "error": None if status == "ok" else "x",
+                }
+                for i, (sid, status, patch) in enumerate(sessions)
+            ]
         ),
         tmp_path,
     )
@@ -152,8 +165,15 @@ def test_args_need_one_source():
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "eval", "score", *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONWARNINGS": "error"}, timeout=240, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "eval", "score", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "error"},
+        timeout=240,
+        check=False,
+    )
 
 
 @pytest.mark.slow

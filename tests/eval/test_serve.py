@@ -305,7 +305,9 @@ def adapter_dir(tiny_model_dir, tmp_path_factory):
     return folder
 
 
-@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # peft reads what transformers 5 renamed
+@pytest.mark.filterwarnings(
+    "ignore:.*is_gradient_checkpointing:FutureWarning"
+)  # peft reads what transformers 5 renamed
 def test_lora_adapters_serve_as_vllm_does(reference_server, tiny_model_dir, adapter_dir):
     from peft import PeftModel
 
@@ -313,10 +315,16 @@ def test_lora_adapters_serve_as_vllm_does(reference_server, tiny_model_dir, adap
     body = {"messages": USER, "tools": TOOLS, "logprobs": True, **TOKEN_FIELDS}
 
     def logprobs(model, session):
-        answer = http.post(url + "/v1/chat/completions", json={**body, "model": model}, headers={"x-polar-session": session})
+        answer = http.post(
+            url + "/v1/chat/completions", json={**body, "model": model}, headers={"x-polar-session": session}
+        )
         answer.raise_for_status()
         choice = answer.json()["choices"][0]
-        return answer.json()["prompt_token_ids"], choice["token_ids"], [e["logprob"] for e in choice["logprobs"]["content"]]
+        return (
+            answer.json()["prompt_token_ids"],
+            choice["token_ids"],
+            [e["logprob"] for e in choice["logprobs"]["content"]],
+        )
 
     prompt, ids, base = logprobs("tiny", "base")
     loaded = http.post(url + "/v1/load_lora_adapter", json={"lora_name": "step-1", "lora_path": str(adapter_dir)})

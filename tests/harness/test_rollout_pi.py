@@ -42,5 +42,8 @@ def test_pi_rollout_resolves_a_toy_task(harness_bin, tiny_model_dir, tmp_path):
     assert eval.score.main(eval.score.Args(run)) == 0
     reward = read_rewards(run).row(0, named=True)
     assert (reward["session_id"], reward["reward"], reward["resolved"], reward["reason"]) == (
-        session["session_id"], 1.0, True, "graded",
+        session["session_id"],
+        1.0,
+        True,
+        "graded",
     )

@@ -103,7 +103,12 @@ def test_capture_only_records_without_secrets(proxy):
         answer = client.post(f"{proxy.upstream}/v1/chat/completions?key={GOOGLE_SECRET}", json=body, headers=headers)
     assert answer.status_code == 200
     [record] = read_records(proxy.captures, session="run-7", expect=1)
-    assert (record["api"], record["upstream"], record["injected"], record["session_source"]) == ("chat", "plain", {}, "header")
+    assert (record["api"], record["upstream"], record["injected"], record["session_source"]) == (
+        "chat",
+        "plain",
+        {},
+        "header",
+    )
     assert json.loads(record["response_body"])["choices"]
     data = b"".join(path.read_bytes() for path in proxy.captures.glob("*.jsonl"))
     assert SECRET.encode() not in data and GOOGLE_SECRET.encode() not in data and b"c=SECRET" not in data
@@ -127,11 +132,20 @@ def cli_runs(tiny_model_dir, harness_bin, tmp_path_factory):
         (tmp / "workspace").mkdir()
         with (
             ReferenceServer(tiny_model_dir, script=tmp / "script.json", log=tmp / "server.log") as server,
-            TransparentMitmdump(server.url, tmp / "captures", tmp / "conf", log=tmp / "mitmdump.log", polar_model="tiny") as mitm,
+            TransparentMitmdump(
+                server.url, tmp / "captures", tmp / "conf", log=tmp / "mitmdump.log", polar_model="tiny"
+            ) as mitm,
         ):
             run = run_transparent(
-                harness, PROMPT, workspace=tmp / "workspace", proxy_url=mitm.url, ca_cert=mitm.ca_cert,
-                session_id=f"transparent-{harness}", timeout=RUN_TIMEOUT, tools=case.tools, home=tmp / "home",
+                harness,
+                PROMPT,
+                workspace=tmp / "workspace",
+                proxy_url=mitm.url,
+                ca_cert=mitm.ca_cert,
+                session_id=f"transparent-{harness}",
+                timeout=RUN_TIMEOUT,
+                tools=case.tools,
+                home=tmp / "home",
                 bin_dir=harness_bin,
             )
         return run, tmp
@@ -172,16 +186,28 @@ def test_rollout_transparent_claude_code_resolves_a_toy_task(tiny_model_dir, har
     task = min(load_tasks("toy"), key=lambda t: len(t["patch"]))
     apply_gold = {"command": f"git apply <<'EOF_GOLD'\n{task['patch']}EOF_GOLD", "description": "Apply the fix"}
     case = CASES["claude-code"]
-    steps = [{"content": None, "tool_calls": [{"name": case.tool, "arguments": apply_gold}]}, {"content": FINAL, "tool_calls": []}]
+    steps = [
+        {"content": None, "tool_calls": [{"name": case.tool, "arguments": apply_gold}]},
+        {"content": FINAL, "tool_calls": []},
+    ]
     (tmp_path / "script.json").write_text(json.dumps(steps))
     run = tmp_path / "run"
     with (
         ReferenceServer(tiny_model_dir, script=tmp_path / "script.json", log=tmp_path / "server.log") as server,
-        TransparentMitmdump(server.url, tmp_path / "captures", tmp_path / "conf", log=tmp_path / "mitm.log", polar_model="tiny") as mitm,
+        TransparentMitmdump(
+            server.url, tmp_path / "captures", tmp_path / "conf", log=tmp_path / "mitm.log", polar_model="tiny"
+        ) as mitm,
     ):
         args = rollout.Args(
-            tasks="toy", instance_ids=(task["instance_id"],), harness="claude-code", proxy=mitm.url, out=run,
-            tools=case.tools, timeout=RUN_TIMEOUT, transparent=True, ca_cert=mitm.ca_cert,
+            tasks="toy",
+            instance_ids=(task["instance_id"],),
+            harness="claude-code",
+            proxy=mitm.url,
+            out=run,
+            tools=case.tools,
+            timeout=RUN_TIMEOUT,
+            transparent=True,
+            ca_cert=mitm.ca_cert,
         )
         assert rollout.main(args) == 0
     session = read_sessions(run).row(0, named=True)

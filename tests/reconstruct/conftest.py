@@ -77,7 +77,9 @@ S = Scenario()
 class Agent:
     """A minimal harness: keeps the conversation, runs the (fake) bash tool, sends the results back."""
 
-    def __init__(self, client: openai.OpenAI, system: str, task: str, *, stream: bool, send_reasoning: bool = True) -> None:
+    def __init__(
+        self, client: openai.OpenAI, system: str, task: str, *, stream: bool, send_reasoning: bool = True
+    ) -> None:
         self.client = client
         self.stream = stream
         self.send_reasoning = send_reasoning
@@ -88,7 +90,9 @@ class Agent:
         if not self.stream:
             r = self.client.chat.completions.create(**kwargs)
             m = r.choices[0].message
-            calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in m.tool_calls or []]
+            calls = [
+                {"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in m.tool_calls or []
+            ]
             return {"content": m.content, "reasoning": (m.model_extra or {}).get("reasoning"), "calls": calls}
         content, reasoning, calls = "", "", {}
         for chunk in self.client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
@@ -255,5 +259,7 @@ def oracle(record: dict[str, Any]) -> tuple[list[int], list[int], list[float]]:
     events = [json.loads(block[6:]) for block in body.split("\n\n") if block.startswith("data: {")]
     prompt = events[0]["prompt_token_ids"]
     ids = [i for e in events for c in e["choices"] for i in c.get("token_ids") or []]
-    logprobs = [t["logprob"] for e in events for c in e["choices"] for t in (c.get("logprobs") or {}).get("content") or []]
+    logprobs = [
+        t["logprob"] for e in events for c in e["choices"] for t in (c.get("logprobs") or {}).get("content") or []
+    ]
     return prompt, ids, logprobs

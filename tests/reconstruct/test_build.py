@@ -9,7 +9,16 @@ import pytest
 from polars.testing import assert_frame_equal
 from transformers import AutoTokenizer
 
-from reconstruct import CaptureError, ConfigError, parse_shard, read_sessions, reconstruct, schema, stats_path, write_trajectories
+from reconstruct import (
+    CaptureError,
+    ConfigError,
+    parse_shard,
+    read_sessions,
+    reconstruct,
+    schema,
+    stats_path,
+    write_trajectories,
+)
 from reconstruct._stats import Stats, file_stats
 from tests.reconstruct.conftest import EXPECTED_CALLS, S, oracle
 
@@ -47,7 +56,12 @@ def test_stats_count_everything(built, tokenizer):
     assert (stats.unsupported_records, stats.other_records) == (1, 1)
     assert (stats.sessions, stats.calls, stats.merged_calls, stats.traces) == (9, 31, 31, 14)
     assert stats.breaks == {
-        "prompt_rewritten": 1, "separate_agent": 1, "sibling": 1, "drift": 2, "missing_ids": 0, "incomplete": 0
+        "prompt_rewritten": 1,
+        "separate_agent": 1,
+        "sibling": 1,
+        "drift": 2,
+        "missing_ids": 0,
+        "incomplete": 0,
     }
     assert (stats.retokenized_calls, stats.dropped, stats.notes, stats.eot_id) == (6, {}, {}, 2)
     assert stats.tokens_trainable == df["loss_mask"].list.sum().sum()
@@ -126,7 +140,9 @@ def test_sessions_table_fills_task_and_sample(folder, captures, tokenizer, tmp_p
     df, _ = reconstruct([folder], sessions=sessions)
     got = df.group_by("session_id").agg(pl.col("task_id").first(), pl.col("sample_id").first())
     assert dict((s, (t, n)) for s, t, n in got.iter_rows()) == {
-        **{s: (None, None) for s in df["session_id"].unique()}, S.retry: ("t1", 0), S.subagents: ("t2", 3)
+        **{s: (None, None) for s in df["session_id"].unique()},
+        S.retry: ("t1", 0),
+        S.subagents: ("t2", 3),
     }
     pl.DataFrame({"session_id": ["a"]}).write_parquet(tmp_path / "bad.parquet")
     with pytest.raises(ConfigError, match="task_id"):
@@ -210,7 +226,9 @@ def test_nan_and_infinity_in_request_bodies_are_read_as_the_upstream_reads_them(
     """Python's json.dumps writes NaN and Infinity, vLLM reads them: the request (messages, tools, model) is kept."""
     name, lines = _vllm_lines(captures)
     text = b"\n".join(lines) + b"\n"
-    odd = text.replace(b'"temperature":0', b'"temperature":NaN').replace(b'"model":"tiny"', b'"model":"tiny","x":-Infinity', 1)
+    odd = text.replace(b'"temperature":0', b'"temperature":NaN').replace(
+        b'"model":"tiny"', b'"model":"tiny","x":-Infinity', 1
+    )
     assert odd.count(b"NaN") == len(lines) and b"-Infinity" in odd
     (tmp_path / name).write_bytes(odd)
     df, stats = reconstruct([tmp_path])

@@ -99,7 +99,11 @@ def test_streamed_and_non_streamed_answers_assemble_alike(captures):
         (cb,), _ = assemble(b["response_body"], streamed=False)
         strip = lambda m: {**m, "tool_calls": [{**c, "id": ""} for c in m["tool_calls"]]}  # noqa: E731 - ids are random
         assert (ca.prompt.ids(), ca.token_ids, ca.finish_reason, strip(ca.message)) == (
-            cb.prompt.ids(), cb.token_ids, cb.finish_reason, strip(cb.message))
+            cb.prompt.ids(),
+            cb.token_ids,
+            cb.finish_reason,
+            strip(cb.message),
+        )
         # The server batches and caches prefixes, as vLLM does: the same tokens' log-probs agree to float noise.
         np.testing.assert_allclose(ca.logprobs, cb.logprobs, atol=1e-4)
 

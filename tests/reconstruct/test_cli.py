@@ -46,7 +46,10 @@ def test_python_m_reconstruct(captures, tmp_path):
     out = tmp_path / "t.parquet"
     done = subprocess.run(
         [sys.executable, "-m", "reconstruct", str(captures.vllm_dir), "-o", str(out), "--mode", "per-request"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr
     assert schema.read(out).height == 25 and "25 (per-request" in done.stderr
@@ -55,7 +58,7 @@ def test_python_m_reconstruct(captures, tmp_path):
 def test_no_usable_record_exits_non_zero_and_writes_nothing(captures, tmp_path, capsys):
     """Issue 16: a folder of garbage is an error, not an empty table; so are calls that all lack token ids."""
     (tmp_path / "garbage").mkdir()
-    (tmp_path / "garbage" / "x.jsonl").write_bytes(b"hello\n{\"v\": 1}\n\x00\xff\n")
+    (tmp_path / "garbage" / "x.jsonl").write_bytes(b'hello\n{"v": 1}\n\x00\xff\n')
     out = tmp_path / "t.parquet"
     assert main([str(tmp_path / "garbage"), "-o", str(out), "--no-progress"]) == 2
     err = capsys.readouterr().err

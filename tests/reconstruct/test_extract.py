@@ -21,7 +21,13 @@ def test_captured_call_fields(captures):
     (c,) = extract(record, None)
     prompt, ids, logprobs = oracle(record)
     assert (c.prompt.ids(), c.output_ids, c.logprobs) == (prompt, ids, logprobs)
-    assert (c.exchange_id, c.session_id, c.api, c.model, c.source) == (record["id"], S.streamed, "chat", "tiny", "captured")
+    assert (c.exchange_id, c.session_id, c.api, c.model, c.source) == (
+        record["id"],
+        S.streamed,
+        "chat",
+        "tiny",
+        "captured",
+    )
     assert c.complete and c.finish_reason == "tool_calls" and c.usable and c.notes == []
     assert c.messages == record["request"]["messages"] and c.tools == record["request"]["tools"]
     assert json.loads(c.answer["tool_calls"][0]["function"]["arguments"]) == {"command": "ls"}
@@ -93,7 +99,14 @@ def test_native_apis_read_their_translated_exchange_or_a_registered_converter(ca
     record = captures.records(S.non_streamed)[0]
     chat_body = record["request"]
     native = {"model": "tiny", "max_tokens": 100, "system": "You are a coding agent.", "messages": []}
-    translated = {**record, "api": "anthropic", "path": "/v1/messages", "request": native, "upstream_request": chat_body, "translated": True}
+    translated = {
+        **record,
+        "api": "anthropic",
+        "path": "/v1/messages",
+        "request": native,
+        "upstream_request": chat_body,
+        "translated": True,
+    }
     (c,) = extract(translated, None)
     assert (c.api, c.prompt.ids(), c.output_ids) == ("anthropic", *oracle(record)[:2])
     untranslated = {**translated, "upstream_request": None, "injected": {}, "translated": False}

@@ -56,7 +56,11 @@ def test_head_of_every_real_record(captures):
         for ref in refs:
             record = json.loads(data[ref.offset : ref.offset + ref.length])
             head = parse_head(ref.head)
-            assert head is not None and (head.version, head.id, head.session_id) == (1, record["id"], record["session_id"])
+            assert head is not None and (head.version, head.id, head.session_id) == (
+                1,
+                record["id"],
+                record["session_id"],
+            )
 
 
 def test_head_with_escapes_and_unknown_layouts():

@@ -107,9 +107,19 @@ def test_plain_sessions_retokenize_to_the_captured_tokens(session_calls):
 
 def call(n, prompt, out, *, source="captured", complete=True, finish="stop", agent="A", logprobs=True):
     return Call(
-        exchange_id=f"c{n}", session_id="s", order=(float(n), f"c{n}", 0), api="chat", request=Request.known("m", [], None),
-        prompt=TokenText.from_ids(prompt), output_ids=out, logprobs=[-0.5] * len(out) if logprobs else None,
-        finish_reason=finish, complete=complete, source=source, completion=None, agent=agent,
+        exchange_id=f"c{n}",
+        session_id="s",
+        order=(float(n), f"c{n}", 0),
+        api="chat",
+        request=Request.known("m", [], None),
+        prompt=TokenText.from_ids(prompt),
+        output_ids=out,
+        logprobs=[-0.5] * len(out) if logprobs else None,
+        finish_reason=finish,
+        complete=complete,
+        source=source,
+        completion=None,
+        agent=agent,
     )
 
 

@@ -58,14 +58,25 @@ def assert_same_tokens(retokenized, captured):
 # ---- vLLM's Responses API, passed through: ids from the answer itself
 
 
-RESPONSES_TOOLS = [{"type": "function", "name": "run", "description": "Run a shell command.",
-                    "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}]
+RESPONSES_TOOLS = [
+    {
+        "type": "function",
+        "name": "run",
+        "description": "Run a shell command.",
+        "parameters": {"type": "object", "properties": {"command": {"type": "string"}}},
+    }
+]
 
 
 def responses_session(client, *, stream):
     items = [{"role": "user", "content": [{"type": "input_text", "text": "Write hi into out.txt."}]}]
-    kwargs = {"model": "tiny", "instructions": "You are a coding agent.", "tools": RESPONSES_TOOLS, "store": False,
-              "include": ["reasoning.encrypted_content"]}
+    kwargs = {
+        "model": "tiny",
+        "instructions": "You are a coding agent.",
+        "tools": RESPONSES_TOOLS,
+        "store": False,
+        "include": ["reasoning.encrypted_content"],
+    }
     for _ in SCRIPT:
         if stream:
             with client.responses.stream(input=items, **kwargs) as events:
@@ -74,7 +85,11 @@ def responses_session(client, *, stream):
             response = client.responses.create(input=items, **kwargs)
         out = [item.model_dump(exclude_none=True) for item in response.output]
         items += out
-        items += [{"type": "function_call_output", "call_id": o["call_id"], "output": "(no output)"} for o in out if o["type"] == "function_call"]
+        items += [
+            {"type": "function_call_output", "call_id": o["call_id"], "output": "(no output)"}
+            for o in out
+            if o["type"] == "function_call"
+        ]
 
 
 def test_vllm_responses_passthrough_keeps_the_servers_token_ids(tiny_model_dir, tmp_path):
@@ -112,42 +127,76 @@ def final_response(record):
 # ---- Anthropic and Google untranslated, as in front of a closed API: retokenized
 
 
-ANTHROPIC_TOOLS = [{"name": "run", "description": "Run a shell command.",
-                    "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}]
+ANTHROPIC_TOOLS = [
+    {
+        "name": "run",
+        "description": "Run a shell command.",
+        "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}},
+    }
+]
 
 
 def anthropic_session(client, *, stream):
     messages = [{"role": "user", "content": "Write hi into out.txt."}]
     for _ in SCRIPT:
-        kwargs = {"model": "claude-sonnet-4-5", "max_tokens": 200, "system": "You are a coding agent.",
-                  "messages": messages, "tools": ANTHROPIC_TOOLS, "thinking": {"type": "adaptive"}}
+        kwargs = {
+            "model": "claude-sonnet-4-5",
+            "max_tokens": 200,
+            "system": "You are a coding agent.",
+            "messages": messages,
+            "tools": ANTHROPIC_TOOLS,
+            "thinking": {"type": "adaptive"},
+        }
         if stream:
             with client.messages.stream(**kwargs) as events:
                 message = events.get_final_message()
         else:
             message = client.messages.create(**kwargs)
-        messages = [*messages, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]}]
-        results = [{"type": "tool_result", "tool_use_id": b.id, "content": "(no output)"} for b in message.content if b.type == "tool_use"]
+        messages = [
+            *messages,
+            {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]},
+        ]
+        results = [
+            {"type": "tool_result", "tool_use_id": b.id, "content": "(no output)"}
+            for b in message.content
+            if b.type == "tool_use"
+        ]
         messages.append({"role": "user", "content": results or "ok"})
 
 
 def google_session(client, *, stream):
-    tool = types.Tool(function_declarations=[types.FunctionDeclaration(
-        name="run", description="Run a shell command.",
-        parameters_json_schema={"type": "object", "properties": {"command": {"type": "string"}}})])
-    config = types.GenerateContentConfig(system_instruction="You are a coding agent.", tools=[tool],
-        automatic_function_calling=types.AutomaticFunctionCallingConfig(disable=True))
+    tool = types.Tool(
+        function_declarations=[
+            types.FunctionDeclaration(
+                name="run",
+                description="Run a shell command.",
+                parameters_json_schema={"type": "object", "properties": {"command": {"type": "string"}}},
+            )
+        ]
+    )
+    config = types.GenerateContentConfig(
+        system_instruction="You are a coding agent.",
+        tools=[tool],
+        automatic_function_calling=types.AutomaticFunctionCallingConfig(disable=True),
+    )
     contents = [types.Content(role="user", parts=[types.Part(text="Write hi into out.txt.")])]
     for _ in SCRIPT:
         if stream:
             chunks = client.models.generate_content_stream(model="gemini-2.5-pro", contents=contents, config=config)
-            parts = [p for c in chunks if c.candidates and c.candidates[0].content for p in c.candidates[0].content.parts or []]
+            parts = [
+                p
+                for c in chunks
+                if c.candidates and c.candidates[0].content
+                for p in c.candidates[0].content.parts or []
+            ]
         else:
             response = client.models.generate_content(model="gemini-2.5-pro", contents=contents, config=config)
             parts = response.candidates[0].content.parts
         contents = [*contents, types.Content(role="model", parts=parts)]
         calls = [p.function_call for p in parts if p.function_call]
-        answer = [types.Part(function_response=types.FunctionResponse(name=c.name, response={"output": ""})) for c in calls]
+        answer = [
+            types.Part(function_response=types.FunctionResponse(name=c.name, response={"output": ""})) for c in calls
+        ]
         contents.append(types.Content(role="user", parts=answer or [types.Part(text="ok")]))
 
 

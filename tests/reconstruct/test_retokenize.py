@@ -53,6 +53,8 @@ def test_templates_that_cannot_render_are_errors(captures, tokenizer):
     with pytest.raises(RetokenizeError, match="cannot render.*other roles"):
         Retokenizer(raising).prompt_ids([{"role": "user", "content": "hi"}], None, None)
     rewriting = AutoTokenizer.from_pretrained(captures.model_dir)
-    rewriting.chat_template = "{% for m in messages %}{{ m.role }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    rewriting.chat_template = (
+        "{% for m in messages %}{{ m.role }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    )
     with pytest.raises(RetokenizeError, match="extension"):
         Retokenizer(rewriting, eot_id=2).output_ids([{"role": "user"}], None, None, {"role": "assistant"}, "stop")

@@ -20,7 +20,12 @@ SCRIPT = [
     {"reasoning": "List first.", "content": None, "tool_calls": [{"name": "bash", "arguments": {"command": "ls"}}]},
     {"content": "Two files.", "tool_calls": []},
 ]
-TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "bash", "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}},
+    }
+]
 
 
 def run_sessions(model_dir, tmp, flavor):
@@ -33,16 +38,37 @@ def run_sessions(model_dir, tmp, flavor):
                 messages = [{"role": "user", "content": "What files are here?"}]
                 for _ in SCRIPT:
                     if stream:
-                        chunks = list(client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, stream=True))
-                        calls = [c for chunk in chunks if chunk.choices for c in chunk.choices[0].delta.tool_calls or []]
+                        chunks = list(
+                            client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, stream=True)
+                        )
+                        calls = [
+                            c for chunk in chunks if chunk.choices for c in chunk.choices[0].delta.tool_calls or []
+                        ]
                         content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-                        reasoning = "".join(getattr(c.choices[0].delta, "reasoning", None) or "" for c in chunks if c.choices)
+                        reasoning = "".join(
+                            getattr(c.choices[0].delta, "reasoning", None) or "" for c in chunks if c.choices
+                        )
                     else:
-                        message = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS).choices[0].message
-                        calls, content, reasoning = message.tool_calls or [], message.content, getattr(message, "reasoning", None)
+                        message = (
+                            client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)
+                            .choices[0]
+                            .message
+                        )
+                        calls, content, reasoning = (
+                            message.tool_calls or [],
+                            message.content,
+                            getattr(message, "reasoning", None),
+                        )
                     turn = {"role": "assistant", "content": content or None, "reasoning": reasoning or None}
                     if calls:
-                        turn["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}} for c in calls]
+                        turn["tool_calls"] = [
+                            {
+                                "id": c.id,
+                                "type": "function",
+                                "function": {"name": c.function.name, "arguments": c.function.arguments},
+                            }
+                            for c in calls
+                        ]
                     messages += [turn] + [{"role": "tool", "tool_call_id": c.id, "content": "a.py b.py"} for c in calls]
             records = read_records(tmp / "captures", expect=4)
     return records, reconstruct([tmp / "captures"])

@@ -113,7 +113,8 @@ def test_plan_steps_keeps_groups_whole_in_a_seeded_partition():
         assert all(set(g) <= set(step) or not set(g) & set(step) for g in groups)
     assert plan == data.plan_steps(groups, 2, seed=3)
     assert {tuple(map(tuple, (sorted(s) for s in data.plan_steps(groups, 2, seed=k)))) for k in range(8)} != {
-        tuple(tuple(sorted(s)) for s in plan)}  # other seeds give other plans
+        tuple(tuple(sorted(s)) for s in plan)
+    }  # other seeds give other plans
 
 
 def test_every_steps_advantages_sum_to_zero():
@@ -149,10 +150,22 @@ def test_balance_gives_every_rank_the_same_number_of_passes():
 
 
 def test_collate_packs_traces_into_one_row_with_restarting_positions():
-    a = data.Trace(session=0, tokens=np.array([1, 2, 3, 4]), n_prompt=2, trained=np.array([1, 2]),
-                   behav_logp=np.array([-1.0, np.nan], dtype=np.float32), adv=0.5)
-    b = data.Trace(session=3, tokens=np.array([5, 6, 7]), n_prompt=1, trained=np.array([1]),
-                   behav_logp=np.array([-2.0], dtype=np.float32), adv=-1.0)
+    a = data.Trace(
+        session=0,
+        tokens=np.array([1, 2, 3, 4]),
+        n_prompt=2,
+        trained=np.array([1, 2]),
+        behav_logp=np.array([-1.0, np.nan], dtype=np.float32),
+        adv=0.5,
+    )
+    b = data.Trace(
+        session=3,
+        tokens=np.array([5, 6, 7]),
+        n_prompt=1,
+        trained=np.array([1]),
+        behav_logp=np.array([-2.0], dtype=np.float32),
+        adv=-1.0,
+    )
     mb = data.collate([a, b], [0.25, 0.125])
     assert mb.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7]]
     assert mb.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2]]
@@ -167,8 +180,12 @@ def test_collate_packs_traces_into_one_row_with_restarting_positions():
 
 
 def test_load_can_keep_sessions_without_reward_or_task_for_sft(tmp_path):
-    rows = [trace(session="a"), trace(session="b", reward=None), trace(session="c", task=None),
-            trace(session="d", reward=None, task=None)]
+    rows = [
+        trace(session="a"),
+        trace(session="b", reward=None),
+        trace(session="c", task=None),
+        trace(session="d", reward=None, task=None),
+    ]
     path = write(tmp_path / "t.parquet", rows)
     rollout = data.load([path], require_reward=False, require_task=False)
     assert rollout.session_ids == ["a", "b", "c", "d"]
@@ -184,8 +201,14 @@ def test_load_can_keep_sessions_without_reward_or_task_for_sft(tmp_path):
 
 def test_families_share_a_prefix_only_where_it_saves_tokens():
     def t(*tokens: int) -> data.Trace:
-        return data.Trace(session=0, tokens=np.array(tokens), n_prompt=1, trained=np.array([0]),
-                          behav_logp=np.zeros(1, dtype=np.float32), adv=1.0)
+        return data.Trace(
+            session=0,
+            tokens=np.array(tokens),
+            n_prompt=1,
+            trained=np.array([0]),
+            behav_logp=np.zeros(1, dtype=np.float32),
+            adv=1.0,
+        )
 
     traces = [t(1, 2, 3, 4, 5), t(9, 9), t(1, 2, 3, 4, 6, 7), t(1, 2, 8), t(1, 2, 3, 4, 5, 0)]
     # [1, 2, 3, 4] for 0, 2 and 4 saves 8; taking 3 in too would cut it to [1, 2]: 6
@@ -197,12 +220,30 @@ def test_families_share_a_prefix_only_where_it_saves_tokens():
 
 
 def test_collate_shared_packs_a_prefix_once_and_masks_the_other_tails():
-    a = data.Trace(session=0, tokens=np.array([1, 2, 3, 4]), n_prompt=2, trained=np.array([1, 2]),
-                   behav_logp=np.array([-1.0, -2.0], dtype=np.float32), adv=0.5)
-    b = data.Trace(session=1, tokens=np.array([1, 2, 7]), n_prompt=2, trained=np.array([1]),
-                   behav_logp=np.array([-3.0], dtype=np.float32), adv=-0.5)
-    c = data.Trace(session=2, tokens=np.array([5, 6]), n_prompt=1, trained=np.array([0]),
-                   behav_logp=np.array([-4.0], dtype=np.float32), adv=1.0)
+    a = data.Trace(
+        session=0,
+        tokens=np.array([1, 2, 3, 4]),
+        n_prompt=2,
+        trained=np.array([1, 2]),
+        behav_logp=np.array([-1.0, -2.0], dtype=np.float32),
+        adv=0.5,
+    )
+    b = data.Trace(
+        session=1,
+        tokens=np.array([1, 2, 7]),
+        n_prompt=2,
+        trained=np.array([1]),
+        behav_logp=np.array([-3.0], dtype=np.float32),
+        adv=-0.5,
+    )
+    c = data.Trace(
+        session=2,
+        tokens=np.array([5, 6]),
+        n_prompt=1,
+        trained=np.array([0]),
+        behav_logp=np.array([-4.0], dtype=np.float32),
+        adv=1.0,
+    )
     mb = data.collate_shared([(2, [a, b]), (2, [c])], [0.25, 0.125, 1.0])
     assert mb.input_ids.tolist() == [[1, 2, 3, 4, 7, 5, 6]]
     assert mb.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1]]

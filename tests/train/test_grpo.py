@@ -22,9 +22,18 @@ PEFT_WARNING = "ignore:.*is_gradient_checkpointing:FutureWarning"  # peft reads 
 
 def make_config(tmp_path, model_dir, rows, **overrides) -> grpo.Config:
     path = write(tmp_path / "trajectories.parquet", rows) if rows is not None else tmp_path / "trajectories.parquet"
-    values = dict(trajectories=(path,), model=str(model_dir), output=tmp_path / "out", max_len=48,
-                  micro_batch_tokens=48, groups_per_step=2, lr=1e-2, lora_r=4, lora_alpha=8,
-                  save_every=0)
+    values = dict(
+        trajectories=(path,),
+        model=str(model_dir),
+        output=tmp_path / "out",
+        max_len=48,
+        micro_batch_tokens=48,
+        groups_per_step=2,
+        lr=1e-2,
+        lora_r=4,
+        lora_alpha=8,
+        save_every=0,
+    )
     return grpo.Config(**{**values, **overrides})
 
 
@@ -53,8 +62,21 @@ def test_config_refuses_settings_that_cannot_work(tmp_path, override, message):
 def test_yaml_config_then_flags(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("lr: 0.5\nlora_targets: [q_proj, v_proj]\ngradient_checkpointing: false\ntis_cap: null\n")
-    cfg = grpo.parse(["--config", str(path), "--trajectories", "a.parquet", "b.parquet", "--model", "m",
-                      "--output", "o", "--lr", "0.25"])
+    cfg = grpo.parse(
+        [
+            "--config",
+            str(path),
+            "--trajectories",
+            "a.parquet",
+            "b.parquet",
+            "--model",
+            "m",
+            "--output",
+            "o",
+            "--lr",
+            "0.25",
+        ]
+    )
     assert (cfg.lr, cfg.lora_targets, cfg.gradient_checkpointing) == (0.25, ("q_proj", "v_proj"), False)
     assert cfg.tis_cap is None
     assert [p.name for p in cfg.trajectories] == ["a.parquet", "b.parquet"]
@@ -77,19 +99,31 @@ def test_packed_micro_batch_log_probs_equal_each_trace_on_its_own(tmp_path, tiny
     for name, p in policy.named_parameters():  # a non-zero adapter, so that disabling it matters
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.5)
-    tokens = [np.array([5, 9, 300, 41, 7, 7, 12]), np.array([8, 1000, 2]), np.array([3, 4, 5, 6, 7, 8, 9, 10, 11]),
-              np.array([5, 9, 300, 41, 8, 20]), np.array([5, 9, 300, 2, 2, 2, 2])]  # 3 and 4 share 0's start
-    traces = [data.Trace(session=i, tokens=t, n_prompt=2, trained=np.arange(1, len(t) - 1),
-                         behav_logp=np.full(len(t) - 2, np.nan, dtype=np.float32), adv=1.0)
-              for i, t in enumerate(tokens)]
+    tokens = [
+        np.array([5, 9, 300, 41, 7, 7, 12]),
+        np.array([8, 1000, 2]),
+        np.array([3, 4, 5, 6, 7, 8, 9, 10, 11]),
+        np.array([5, 9, 300, 41, 8, 20]),
+        np.array([5, 9, 300, 2, 2, 2, 2]),
+    ]  # 3 and 4 share 0's start
+    traces = [
+        data.Trace(
+            session=i,
+            tokens=t,
+            n_prompt=2,
+            trained=np.arange(1, len(t) - 1),
+            behav_logp=np.full(len(t) - 2, np.nan, dtype=np.float32),
+            adv=1.0,
+        )
+        for i, t in enumerate(tokens)
+    ]
     (mb,) = grpo.rank_micro_batches(traces, cfg, losses.AGGREGATIONS[cfg.loss_agg], rank=0, world=1)
     # one row, no padding; shared: [5, 9, 300] once for 0, 3 and 4 (then [5, 9, 300, 41] would save less)
     assert mb.input_ids.shape[1] == sum(len(t) for t in tokens) - (6 if share_prefix else 0)
     policy.eval()
     with torch.no_grad():
         logp = policy(mb.input_ids, mb.position_ids, mb.sel, mb.targets, mb.family, mb.member)[0]
-        ref_logp = policy(mb.input_ids, mb.position_ids, mb.sel, mb.targets, mb.family, mb.member,
-                          reference=True)[0]
+        ref_logp = policy(mb.input_ids, mb.position_ids, mb.sel, mb.targets, mb.family, mb.member, reference=True)[0]
         expected, expected_ref = [], []
         base = policy.peft.get_base_model()
         for t in traces:
@@ -131,9 +165,19 @@ def test_step_loss_equals_a_hand_written_reference(tmp_path, tiny_model_dir, los
         trace(session="c-1", task="c", prompt=[60, 61], response=[72, 73], mask=[0, 1], logprobs=[0.0, -8.0],
               reward=0.0),
     ]  # fmt: skip
-    cfg = make_config(tmp_path, tiny_model_dir, rows, max_len=10, micro_batch_tokens=12, groups_per_step=99,
-                      logprob_chunk=3, loss_agg=loss_agg, sample_std=sample_std, dr_grpo_tokens=7,
-                      share_prefix=share_prefix)
+    cfg = make_config(
+        tmp_path,
+        tiny_model_dir,
+        rows,
+        max_len=10,
+        micro_batch_tokens=12,
+        groups_per_step=99,
+        logprob_chunk=3,
+        loss_agg=loss_agg,
+        sample_std=sample_std,
+        dr_grpo_tokens=7,
+        share_prefix=share_prefix,
+    )
     policy = grpo.load_policy(cfg, "no")
     for name, p in policy.named_parameters():
         if "lora_B" in name:
@@ -215,8 +259,15 @@ def test_a_run_writes_a_peft_adapter_that_changes_the_model(tmp_path, tiny_model
     }
     adapter_config = json.loads((out / "adapter_config.json").read_text())
     assert adapter_config["peft_type"] == "LORA" and adapter_config["r"] == 4
-    assert set(adapter_config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                     "down_proj"}
+    assert set(adapter_config["target_modules"]) == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
     weights = adapter_weights(out)
     assert weights and all(".lora_A.weight" in k or ".lora_B.weight" in k for k in weights)  # what vLLM reads
     assert all(torch.isfinite(w).all() for w in weights.values())
@@ -225,8 +276,16 @@ def test_a_run_writes_a_peft_adapter_that_changes_the_model(tmp_path, tiny_model
     metrics = rows_of(out / "metrics.jsonl")
     assert [r["step"] for r in metrics] == [0, 1, 2]
     assert metrics[0]["data/groups"] == 2 and metrics[0]["reward/zero_std_frac"] == 0
-    for key in ("loss/total", "policy/clip_frac_low", "policy/approx_kl", "policy/entropy", "sampling/is_weight_mean",
-                "optim/grad_norm", "perf/tokens_per_s", "reward/mean"):
+    for key in (
+        "loss/total",
+        "policy/clip_frac_low",
+        "policy/approx_kl",
+        "policy/entropy",
+        "sampling/is_weight_mean",
+        "optim/grad_norm",
+        "perf/tokens_per_s",
+        "reward/mean",
+    ):
         assert math.isfinite(metrics[1][key]), key
     # one whole group per step: each step's advantages sum to 0, and the reward mean is that group's own
     assert [abs(r["reward/adv_mean"]) < 1e-9 for r in metrics[1:]] == [True, True]
@@ -272,8 +331,17 @@ def test_allow_no_signal_writes_the_starting_adapter(tmp_path, tiny_model_dir):
 
 def test_resume_gives_the_same_adapter_as_an_uninterrupted_run(tmp_path, tiny_model_dir, monkeypatch):
     rows = groups({"a": [1, 0, 0, 1, 0], "b": [0, 1, 0.5, 0, 0], "c": [1, 1, 0, 0]}, traces=2)
-    whole = make_config(tmp_path / "whole", tiny_model_dir, rows, groups_per_step=2, epochs=3, max_steps=5,
-                        save_every=2, warmup_steps=3, lora_dropout=0.1)
+    whole = make_config(
+        tmp_path / "whole",
+        tiny_model_dir,
+        rows,
+        groups_per_step=2,
+        epochs=3,
+        max_steps=5,
+        save_every=2,
+        warmup_steps=3,
+        lora_dropout=0.1,
+    )
     grpo.main(whole)
     assert len(rows_of(whole.output / "metrics.jsonl")) == 6  # step 0 + 5 steps (2 per epoch)
 
@@ -304,8 +372,13 @@ def test_resume_gives_the_same_adapter_as_an_uninterrupted_run(tmp_path, tiny_mo
 
 
 def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, tiny_model_dir, monkeypatch):
-    cfg = make_config(tmp_path, tiny_model_dir, groups({"a": [1, 0, 0, 1], "b": [0, 1, 0, 0], "c": [1, 0, 0, 0]}),
-                      groups_per_step=1, max_bad_steps=2)
+    cfg = make_config(
+        tmp_path,
+        tiny_model_dir,
+        groups({"a": [1, 0, 0, 1], "b": [0, 1, 0, 0], "c": [1, 0, 0, 0]}),
+        groups_per_step=1,
+        max_bad_steps=2,
+    )
     real = losses.grpo_token_loss
 
     def nan_after_step_one(*args, **kwargs):
@@ -321,8 +394,9 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, tiny_model_dir
 
 
 def test_bad_input_and_outputs_are_refused(tmp_path, tiny_model_dir):
-    cfg = make_config(tmp_path, tiny_model_dir, [trace(session="x", response=[4, 99999], reward=1.0),
-                                                 trace(session="y", reward=0.0)])
+    cfg = make_config(
+        tmp_path, tiny_model_dir, [trace(session="x", response=[4, 99999], reward=1.0), trace(session="y", reward=0.0)]
+    )
     with pytest.raises(data.DataError, match="token id 99999 is outside the model's vocabulary"):
         grpo.main(cfg)
     cfg.output.mkdir()
@@ -335,8 +409,9 @@ def test_bad_input_and_outputs_are_refused(tmp_path, tiny_model_dir):
 
 def test_the_script_exits_2_with_a_message_on_bad_input(tmp_path, monkeypatch, capsys):
     path = write(tmp_path / "t.parquet", [trace(reward=None)])
-    monkeypatch.setattr(sys, "argv", ["grpo.py", "--trajectories", str(path), "--model", "m", "--output",
-                                      str(tmp_path / "out")])
+    monkeypatch.setattr(
+        sys, "argv", ["grpo.py", "--trajectories", str(path), "--model", "m", "--output", str(tmp_path / "out")]
+    )
     with pytest.raises(SystemExit) as e:
         runpy.run_path(str(Path(grpo.__file__)), run_name="__main__")
     assert e.value.code == 2
@@ -348,9 +423,21 @@ def test_options_kl_dr_grpo_epochs_and_a_starting_adapter(tmp_path, tiny_model_d
     rows = groups({"a": [1, 0, 0, 1], "b": [0, 1, 0, 0]}, traces=2)
     first = make_config(tmp_path / "first", tiny_model_dir, rows)
     grpo.main(first)
-    cfg = make_config(tmp_path / "second", tiny_model_dir, rows, adapter=first.output, kl_coef=0.5,
-                      loss_agg="dr_grpo", groups_per_step=1, epochs=2, tis_cap=None, scale_by_std=False, gradient_checkpointing=False,
-                      grad_clip=None, temperature=0.8)
+    cfg = make_config(
+        tmp_path / "second",
+        tiny_model_dir,
+        rows,
+        adapter=first.output,
+        kl_coef=0.5,
+        loss_agg="dr_grpo",
+        groups_per_step=1,
+        epochs=2,
+        tis_cap=None,
+        scale_by_std=False,
+        gradient_checkpointing=False,
+        grad_clip=None,
+        temperature=0.8,
+    )
     grpo.main(cfg)
     metrics = rows_of(cfg.output / "metrics.jsonl")
     assert [r["epoch"] for r in metrics[1:]] == [0, 0, 1, 1]

@@ -40,8 +40,16 @@ def sample_rows(logp: torch.Tensor, rewards: dict[int, float], rng: np.random.Ge
         q = logp[t, choices].exp().numpy()
         for i in range(per_task):
             c = choices[rng.choice(len(choices), p=q / q.sum())]
-            rows.append(trace(session=f"t{t}-{i}", task=f"t{t}", prompt=prompt, response=[c],
-                              logprobs=[float(logp[t, c])], reward=rewards[c]))
+            rows.append(
+                trace(
+                    session=f"t{t}-{i}",
+                    task=f"t{t}",
+                    prompt=prompt,
+                    response=[c],
+                    logprobs=[float(logp[t, c])],
+                    reward=rewards[c],
+                )
+            )
     return rows
 
 
@@ -49,9 +57,19 @@ def train_rounds(tmp_path: Path, model_dir: Path, rewards: dict[int, float], rou
     rng, adapter = np.random.default_rng(0), None
     for r in range(rounds):
         rows = sample_rows(answer_logprobs(model_dir, adapter), rewards, rng, per_task=12)
-        cfg = grpo.Config(trajectories=(write(tmp_path / f"round{r}.parquet", rows),), model=str(model_dir),
-                          output=tmp_path / f"adapter{r}", adapter=adapter, groups_per_step=len(rows), lr=0.1,
-                          lora_r=8, lora_alpha=16, max_len=16, micro_batch_tokens=256, save_every=0)
+        cfg = grpo.Config(
+            trajectories=(write(tmp_path / f"round{r}.parquet", rows),),
+            model=str(model_dir),
+            output=tmp_path / f"adapter{r}",
+            adapter=adapter,
+            groups_per_step=len(rows),
+            lr=0.1,
+            lora_r=8,
+            lora_alpha=16,
+            max_len=16,
+            micro_batch_tokens=256,
+            save_every=0,
+        )
         with contextlib.redirect_stdout(io.StringIO()):
             grpo.main(cfg)
         adapter = cfg.output

@@ -45,8 +45,9 @@ def test_fused_loss_value_and_gradient_match_autograd_through_full_logits(chunk)
         ratio = torch.exp(logp - old[sl])
         return -torch.minimum(ratio * adv[sl], ratio.clamp(0.8, 1.28) * adv[sl]) + 0.1 * logp**2
 
-    loss, logp, entropy = fused_token_loss(hidden, targets, head, token_loss, chunk=chunk, temperature=1.3,
-                                           with_entropy=True)
+    loss, logp, entropy = fused_token_loss(
+        hidden, targets, head, token_loss, chunk=chunk, temperature=1.3, with_entropy=True
+    )
     (3.0 * loss).backward()
     grad = hidden.grad.clone()
     hidden.grad = None

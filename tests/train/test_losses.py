@@ -127,13 +127,24 @@ def test_grpo_loss_combines_clip_importance_kl_and_weights():
     ref = torch.log(torch.tensor([1.5, 0.9, 0.5]))  # KL only on the third token: d = log 0.5
     adv = torch.tensor([1.0, -1.0, 2.0])
     weight = torch.tensor([0.5, 0.25, 0.25])
-    loss, parts = losses.grpo_loss(logp, old, ref, behav, adv, weight, importance=lambda o, b:
-                                   losses.truncated_importance(o, b, 2.0), eps_low=0.2, eps_high=0.28, kl_coef=0.1)
+    loss, parts = losses.grpo_loss(
+        logp,
+        old,
+        ref,
+        behav,
+        adv,
+        weight,
+        importance=lambda o, b: losses.truncated_importance(o, b, 2.0),
+        eps_low=0.2,
+        eps_high=0.28,
+        kl_coef=0.1,
+    )
     d = math.log(0.5)
     by_hand = 0.5 * 2 * -1.28 + 0.25 * 1 * 0.9 + 0.25 * (1 * -2.0 + 0.1 * (math.exp(d) - d - 1))
     assert loss.item() == pytest.approx(by_hand, rel=1e-6)
     np.testing.assert_allclose(parts["is_weight"], [2.0, 1.0, 1.0], rtol=1e-6)
-    loss_no_kl, parts = losses.grpo_loss(logp, old, None, behav, adv, weight, importance=losses.no_importance,
-                                         eps_low=0.2, eps_high=0.28, kl_coef=0.1)
+    loss_no_kl, parts = losses.grpo_loss(
+        logp, old, None, behav, adv, weight, importance=losses.no_importance, eps_low=0.2, eps_high=0.28, kl_coef=0.1
+    )
     assert loss_no_kl.item() == pytest.approx(0.5 * -1.28 + 0.25 * 0.9 + 0.25 * -2.0, rel=1e-6)
     assert parts["kl"].tolist() == [0.0, 0.0, 0.0]

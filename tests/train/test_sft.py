@@ -27,8 +27,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def make_config(tmp_path, model_dir, rows, **overrides) -> sft.Config:
     path = write(tmp_path / "trajectories.parquet", rows) if rows is not None else tmp_path / "trajectories.parquet"
-    values = dict(trajectories=(path,), model=str(model_dir), output=tmp_path / "out", max_len=48,
-                  micro_batch_tokens=48, sessions_per_step=4, lr=1e-2, lora_r=4, lora_alpha=8)
+    values = dict(
+        trajectories=(path,),
+        model=str(model_dir),
+        output=tmp_path / "out",
+        max_len=48,
+        micro_batch_tokens=48,
+        sessions_per_step=4,
+        lr=1e-2,
+        lora_r=4,
+        lora_alpha=8,
+    )
     return sft.Config(**{**values, **overrides})
 
 
@@ -71,14 +80,26 @@ ROWS = [  # s0 is cut into two traces; s1 loses its last token to max_len 10; s2
 def test_step_loss_is_the_nll_of_taught_tokens_by_hand(tmp_path, tiny_model_dir, loss_agg, share_prefix):
     """Masks in the middle and at the end, truncation, a session in two traces, several micro-batches, and the
     traces of s0 packed with their shared 7 tokens once."""
-    cfg = make_config(tmp_path, tiny_model_dir, ROWS, max_len=10, micro_batch_tokens=12, logprob_chunk=3,
-                      loss_agg=loss_agg, share_prefix=share_prefix)
+    cfg = make_config(
+        tmp_path,
+        tiny_model_dir,
+        ROWS,
+        max_len=10,
+        micro_batch_tokens=12,
+        logprob_chunk=3,
+        loss_agg=loss_agg,
+        share_prefix=share_prefix,
+    )
     policy = grpo.load_policy(cfg, "no")
     for name, p in policy.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.3)
-    traces, cut = data.make_traces(data.load(cfg.trajectories, require_reward=False, require_task=False),
-                                   np.zeros(3), np.ones(3, bool), cfg.max_len)
+    traces, cut = data.make_traces(
+        data.load(cfg.trajectories, require_reward=False, require_task=False),
+        np.zeros(3),
+        np.ones(3, bool),
+        cfg.max_len,
+    )
     assert cut["truncated"] == 1
     mbs = sft.rank_micro_batches(traces, sft.AGGREGATIONS[loss_agg], cfg, rank=0, world=1)
     assert len(mbs) > 1
@@ -101,8 +122,14 @@ def test_tokens_after_the_last_taught_one_change_neither_loss_nor_gradient(tmp_p
     policy = grpo.load_policy(cfg, "no")
 
     def loss_and_grads(response: list[int]) -> tuple[float, list[torch.Tensor]]:
-        t = data.Trace(session=0, tokens=np.array([5, 9, 300, *response]), n_prompt=3, trained=np.array([2, 3]),
-                       behav_logp=np.full(2, np.nan, dtype=np.float32), adv=0.0)  # response[:2] taught (mask 1)
+        t = data.Trace(
+            session=0,
+            tokens=np.array([5, 9, 300, *response]),
+            n_prompt=3,
+            trained=np.array([2, 3]),
+            behav_logp=np.full(2, np.nan, dtype=np.float32),
+            adv=0.0,
+        )  # response[:2] taught (mask 1)
         (mb,) = sft.rank_micro_batches([t], sft.token_mean_weights, cfg, rank=0, world=1)
         policy.zero_grad(set_to_none=True)
         loss = sft.accumulate(Accelerator(), policy, mb, runtime.StepStats())
@@ -150,9 +177,14 @@ def test_sft_raises_the_log_prob_of_taught_tokens_and_only_touches_the_adapter(t
 
 
 def test_min_reward_keeps_sessions_at_or_above_it(tmp_path, tiny_model_dir):
-    rows = [trace(session="good", reward=1.0), trace(session="good", reward=1.0, chain=1),
-            trace(session="half", reward=0.5, response=[7, 8]), trace(session="bad", reward=0.0),
-            trace(session="unknown", reward=None), trace(session="no-task", task=None, reward=1.0)]
+    rows = [
+        trace(session="good", reward=1.0),
+        trace(session="good", reward=1.0, chain=1),
+        trace(session="half", reward=0.5, response=[7, 8]),
+        trace(session="bad", reward=0.0),
+        trace(session="unknown", reward=None),
+        trace(session="no-task", task=None, reward=1.0),
+    ]
     cfg = make_config(tmp_path / "a", tiny_model_dir, rows, min_reward=0.5)
     sft.main(cfg)
     first, step = rows_of(cfg.output / "metrics.jsonl")[:2]
@@ -186,13 +218,17 @@ def test_the_adapter_serves_and_raises_the_served_log_probs_of_the_taught_answer
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    url = reference_server(tiny_model_dir, script=[{"content": "The answer is 42.", "reasoning": None,
-                                                   "tool_calls": []}])
+    url = reference_server(
+        tiny_model_dir, script=[{"content": "The answer is 42.", "reasoning": None, "tool_calls": []}]
+    )
     messages = [{"role": "user", "content": "What is the answer?"}]
 
     def served(model: str, session: str) -> tuple[list[int], list[int], list[float]]:
-        answer = http.post(url + "/v1/chat/completions", headers={"x-polar-session": session},
-                            json={"messages": messages, "model": model, "logprobs": True, "return_token_ids": True})
+        answer = http.post(
+            url + "/v1/chat/completions",
+            headers={"x-polar-session": session},
+            json={"messages": messages, "model": model, "logprobs": True, "return_token_ids": True},
+        )
         answer.raise_for_status()
         choice = answer.json()["choices"][0]
         logprobs = [e["logprob"] for e in choice["logprobs"]["content"]]
@@ -200,8 +236,9 @@ def test_the_adapter_serves_and_raises_the_served_log_probs_of_the_taught_answer
 
     prompt, ids, base = served("tiny", "base")  # the script replays the same answer to every session
     rows = [trace(session=f"s{i}", task=None, prompt=prompt, response=ids, reward=None) for i in range(4)]
-    cfg = make_config(tmp_path, tiny_model_dir, rows, max_len=256, micro_batch_tokens=256, sessions_per_step=2,
-                      epochs=2)
+    cfg = make_config(
+        tmp_path, tiny_model_dir, rows, max_len=256, micro_batch_tokens=256, sessions_per_step=2, epochs=2
+    )
     sft.main(cfg)
 
     loaded = http.post(url + "/v1/load_lora_adapter", json={"lora_name": "sft", "lora_path": str(cfg.output)})
@@ -221,9 +258,19 @@ def test_grpo_starts_from_the_sft_adapter(tmp_path, tiny_model_dir):
     rows = groups({"a": [1, 0, 0, 1], "b": [0, 1, 0, 0]})
     first = make_config(tmp_path / "sft", tiny_model_dir, rows)
     sft.main(first)
-    rl = grpo.Config(trajectories=first.trajectories, model=str(tiny_model_dir), output=tmp_path / "rl",
-                     adapter=first.output, groups_per_step=2, max_steps=1, kl_coef=0.1, max_len=48,
-                     micro_batch_tokens=48, lr=1e-2, save_every=0)
+    rl = grpo.Config(
+        trajectories=first.trajectories,
+        model=str(tiny_model_dir),
+        output=tmp_path / "rl",
+        adapter=first.output,
+        groups_per_step=2,
+        max_steps=1,
+        kl_coef=0.1,
+        max_len=48,
+        micro_batch_tokens=48,
+        lr=1e-2,
+        save_every=0,
+    )
     grpo.main(rl)
     metrics = rows_of(rl.output / "metrics.jsonl")
     assert [r["step"] for r in metrics] == [0, 1] and math.isfinite(metrics[1]["loss/total"])
@@ -241,11 +288,36 @@ def test_accelerate_launch(tmp_path, tiny_model_dir):
     trajectories = write(tmp_path / "t.parquet", groups({"a": [1, 0, 0, 1], "b": [0, 1, 0.5]}, traces=2))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     run = subprocess.run(
-        [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", "train/configs/cpu.yaml",
-         "--num_cpu_threads_per_process", "1", "train/sft.py", "--trajectories", str(trajectories), "--model",
-         str(tiny_model_dir), "--min-reward", "0.5", "--sessions-per-step", "2", "--max-len", "32",
-         "--micro-batch-tokens", "32", "--lora-r", "4", "--output", str(tmp_path / "out")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+        [
+            str(Path(sys.executable).parent / "accelerate"),
+            "launch",
+            "--config_file",
+            "train/configs/cpu.yaml",
+            "--num_cpu_threads_per_process",
+            "1",
+            "train/sft.py",
+            "--trajectories",
+            str(trajectories),
+            "--model",
+            str(tiny_model_dir),
+            "--min-reward",
+            "0.5",
+            "--sessions-per-step",
+            "2",
+            "--max-len",
+            "32",
+            "--micro-batch-tokens",
+            "32",
+            "--lora-r",
+            "4",
+            "--output",
+            str(tmp_path / "out"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "7 sessions, 4 kept (reward >= 0.5)" in run.stdout and "step 2/2  loss" in run.stdout
@@ -272,8 +344,9 @@ def test_config_refuses_settings_that_cannot_work(tmp_path, override, message):
 def test_yaml_config_then_flags(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("lr: 0.5\nmin_reward: 1\nloss_agg: session_mean\nlora_targets: [q_proj, v_proj]\n")
-    cfg = sft.parse(["--config", str(path), "--trajectories", "a.parquet", "--model", "m", "--output", "o",
-                     "--lr", "0.25"])
+    cfg = sft.parse(
+        ["--config", str(path), "--trajectories", "a.parquet", "--model", "m", "--output", "o", "--lr", "0.25"]
+    )
     assert (cfg.lr, cfg.min_reward, cfg.loss_agg, cfg.lora_targets) == (0.25, 1.0, "session_mean", ("q_proj", "v_proj"))
     saved = tmp_path / "config.yaml"  # a written config.yaml reproduces the run
     saved.write_text(runtime.config_yaml(cfg))
@@ -307,8 +380,9 @@ def test_bad_input_and_outputs_are_refused(tmp_path, tiny_model_dir):
 
 def test_the_script_exits_2_with_a_message_on_bad_input(tmp_path, monkeypatch, capsys):
     missing = tmp_path / "nope.parquet"
-    monkeypatch.setattr(sys, "argv", ["sft.py", "--trajectories", str(missing), "--model", "m", "--output",
-                                      str(tmp_path / "out")])
+    monkeypatch.setattr(
+        sys, "argv", ["sft.py", "--trajectories", str(missing), "--model", "m", "--output", str(tmp_path / "out")]
+    )
     with pytest.raises(SystemExit) as e:
         runpy.run_path(str(Path(sft.__file__)), run_name="__main__")
     assert e.value.code == 2

@@ -54,9 +54,16 @@ def main():
         check_rollout(answer)
     report = {"rows": len(rows), "rollouts": len(rollouts)}
     if args.service:
-        config = app.PolarSWEAgentConfig(name="polar_swe_agent", host="127.0.0.1", port=0, entrypoint="app.py",
-                                         service_url=args.service, service_token_file=args.token_file,
-                                         model_name="tiny", poll_s=0.5)
+        config = app.PolarSWEAgentConfig(
+            name="polar_swe_agent",
+            host="127.0.0.1",
+            port=0,
+            entrypoint="app.py",
+            service_url=args.service,
+            service_token_file=args.token_file,
+            model_name="tiny",
+            poll_s=0.5,
+        )
         # The agent never calls other Gym servers; a client for an absent head server satisfies the base class.
         head = BaseServerConfig(host="127.0.0.1", port=9)
         client = ServerClient(head_server_config=head, global_config_dict=OmegaConf.create({}))

@@ -26,8 +26,15 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-__all__ = ["MASK_REASONS", "ServiceClient", "ServiceError", "calls_of", "contiguity_errors", "submission",
-           "verify_response"]
+__all__ = [
+    "MASK_REASONS",
+    "ServiceClient",
+    "ServiceError",
+    "calls_of",
+    "contiguity_errors",
+    "submission",
+    "verify_response",
+]
 
 MASK_REASONS = {
     "job_failed": "the rollout phase failed: no session to train on",
@@ -128,13 +135,21 @@ def _items_of_call(n: int, message: dict[str, Any]) -> list[dict[str, Any]]:
     calls = message.get("tool_calls") or []
     if _text(message.get("content")) or not calls:  # a call that said nothing still needs an item for its tokens
         content = [{"type": "output_text", "text": _text(message.get("content")), "annotations": []}]
-        items.append({"type": "message", "id": f"msg_{n}", "role": "assistant", "status": "completed",
-                      "content": content})
+        items.append(
+            {"type": "message", "id": f"msg_{n}", "role": "assistant", "status": "completed", "content": content}
+        )
     for k, call in enumerate(calls):
         arguments = call["function"]["arguments"]
-        items.append({"type": "function_call", "id": f"fc_{n}_{k}", "call_id": call.get("id") or f"call_{n}_{k}",
-                      "name": call["function"]["name"], "status": "completed",
-                      "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)})
+        items.append(
+            {
+                "type": "function_call",
+                "id": f"fc_{n}_{k}",
+                "call_id": call.get("id") or f"call_{n}_{k}",
+                "name": call["function"]["name"],
+                "status": "completed",
+                "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
+            }
+        )
     return items
 
 
@@ -153,8 +168,13 @@ def output_items(trace: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
         items += call_items
         for message in conversation[at + 1 : assistant_at[n + 1] if n + 1 < len(calls) else None]:
             if message.get("role") == "tool":  # other messages between calls are in the next prompt's ids only
-                items.append({"type": "function_call_output", "call_id": message.get("tool_call_id") or "",
-                              "output": _text(message.get("content"))})
+                items.append(
+                    {
+                        "type": "function_call_output",
+                        "call_id": message.get("tool_call_id") or "",
+                        "output": _text(message.get("content")),
+                    }
+                )
     return items, True
 
 
