@@ -56,9 +56,7 @@ def token_fields(body: dict[str, Any], upstream: str) -> dict[str, Any]:
     for dotted, value in wanted.items():
         parent, _, leaf = dotted.rpartition(".")
         container = body.get(parent) if parent else body
-        if parent and container is None:
-            added[dotted] = value
-        elif isinstance(container, dict) and leaf not in container:
+        if (parent and container is None) or (isinstance(container, dict) and leaf not in container):
             added[dotted] = value
     if body.get("logprobs") is False:  # the client said no: top_logprobs alone would be an error
         added.pop("top_logprobs", None)

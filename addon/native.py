@@ -199,7 +199,7 @@ def sse(event: str | None, payload: dict[str, Any]) -> bytes:
     """One SSE event; ``event`` names it (Anthropic, Responses) or is None (Google: data only)."""
     data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
     head = f"event: {event}\n" if event else ""
-    return f"{head}data: {data}\n\n".encode("utf-8")
+    return f"{head}data: {data}\n\n".encode()
 
 
 def mint_reasoning(text: str) -> str:

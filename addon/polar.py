@@ -37,9 +37,9 @@ if __package__ in (None, "", "__mitmproxy_script__"):
     # `mitmdump -s addon/polar.py` loads this file as a loose script: make its package importable.
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from addon import chat, native, proxy_errors, reroute, responses, session, translating  # noqa: E402
-from addon.record import FORMAT_VERSION, Body, Exchange  # noqa: E402
-from addon.writer import CaptureWriter  # noqa: E402
+from addon import chat, native, proxy_errors, reroute, responses, session, translating
+from addon.record import FORMAT_VERSION, Body, Exchange
+from addon.writer import CaptureWriter
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def guarded(hook: Callable[..., None]) -> Callable[..., None]:
     """
 
     @functools.wraps(hook)
-    def run(self: "Polar", flow: http.HTTPFlow) -> None:
+    def run(self: Polar, flow: http.HTTPFlow) -> None:
         try:
             hook(self, flow)
         except Exception as e:

@@ -127,7 +127,7 @@ class Body:
     lean: bool = False  # value holds ELIDED members
 
     @classmethod
-    def parse(cls, data: bytes, *, lean_over: int = LEAN_BYTES) -> "Body":
+    def parse(cls, data: bytes, *, lean_over: int = LEAN_BYTES) -> Body:
         if not data:
             return cls()
         lean = len(data) > lean_over

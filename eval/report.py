@@ -25,7 +25,7 @@ from rich.table import Table
 
 from eval.runs import REWARDS, SESSIONS, read_rewards, read_sessions
 
-__all__ = ["Args", "pass_at_k", "pass_table", "main", "svg_chart"]
+__all__ = ["Args", "main", "pass_at_k", "pass_table", "svg_chart"]
 
 console = Console()
 NO_HARNESS = "predictions"  # rewards graded from a predictions file carry no harness

@@ -173,7 +173,7 @@ def _tail(text: str) -> str:
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 @dataclasses.dataclass(frozen=True)

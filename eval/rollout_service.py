@@ -120,7 +120,7 @@ class JobError(ValueError):
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -210,7 +210,7 @@ class Service:
     # ---- the routes' operations
     def submit(self, body: Any) -> dict[str, Any]:
         instance, params = parse_submission(body)
-        job_id = f"job-{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}-{secrets.token_hex(4)}"
+        job_id = f"job-{datetime.datetime.now(datetime.UTC):%Y%m%dT%H%M%S}-{secrets.token_hex(4)}"
         folder = self.root / job_id
         folder.mkdir()
         save_tasks([instance], folder / "instance.jsonl")

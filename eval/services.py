@@ -140,7 +140,7 @@ class Service:
                 self.proc.wait()
         self._log_file.close()
 
-    def __enter__(self) -> "Service":
+    def __enter__(self) -> Service:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -21,11 +21,11 @@ from collections.abc import Callable
 from typing import Any
 
 from addon.record import upstream_body
+from reconstruct import _native
 from reconstruct._calls import Call, Completion, Problem, Request
 from reconstruct._chat import ChatAssembler
-from reconstruct import _native
-from reconstruct._io import has_upstream_request
 from reconstruct._errors import RetokenizeError
+from reconstruct._io import has_upstream_request
 from reconstruct._retokenize import Retokenizer
 from reconstruct._tokens import TokenText
 

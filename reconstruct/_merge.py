@@ -149,9 +149,7 @@ def _link(calls: list[Call], eot_id: int | None) -> tuple[list[Edge | None], lis
             if exact:
                 break
         edges.append(edge)
-        if edge is not None:
-            causes.append(None)
-        elif i == 0:
+        if edge is not None or i == 0:
             causes.append(None)
         elif identical:
             causes.append("sibling")

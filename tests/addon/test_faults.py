@@ -10,7 +10,6 @@ import time
 import tracemalloc
 
 import pytest
-from mitmproxy.test import tflow
 
 from addon import polar, writer
 from addon.record import ELIDED, Exchange

@@ -7,10 +7,10 @@ raising it again is space returning, without root or a filesystem of our own.
 """
 
 import json
-import sys
 import re
 import resource
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,8 +21,8 @@ import pytest
 
 from eval import rollout, rollout_service
 from eval.services import Mitmdump, ProxyNotRecording, Service, check_proxy, free_port
-from tests.bench.upstream import make_server
 from tests import http
+from tests.bench.upstream import make_server
 
 pytestmark = pytest.mark.slow
 

@@ -9,9 +9,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from eval.services import Mitmdump, ReferenceServer, free_port
+from tests import http
 from tests.bench.upstream import make_server
 from tests.captures import read_records, sse_events, tokens_of
-from tests import http
 
 pytestmark = pytest.mark.slow
 

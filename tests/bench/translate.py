@@ -35,7 +35,7 @@ from tests.bench.procs import cpu_seconds
 from tests.bench.report import percentile
 from tests.bench.upstream import CHUNKS_HEADER, completion_text
 
-__all__ = ["APIS", "ApiPath", "evaluate", "markdown_lines", "measure", "make_paths", "summarize", "table"]
+__all__ = ["APIS", "ApiPath", "evaluate", "make_paths", "markdown_lines", "measure", "summarize", "table"]
 
 APIS = ("chat", "anthropic", "responses", "google")
 SESSION = "bench-session"  # the API key doubles as the session id (addon/session.py)

@@ -112,7 +112,7 @@ class _Handler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True
     server_version = "bench-upstream/1"
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - stdlib signature
+    def log_message(self, format: str, *args: object) -> None:
         pass  # one line per request would dominate the timings
 
     def _read_body(self) -> bytes:

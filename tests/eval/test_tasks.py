@@ -24,7 +24,7 @@ def test_toy_suite_has_swebench_shaped_instances(toy):
         assert task["FAIL_TO_PASS"] and task["PASS_TO_PASS"], task["instance_id"]
         assert task["log_parser"] == "parse_log_pytest" and task["environment_setup_commit"] == task["base_commit"]
         spec = make_test_spec(task)
-        assert spec.FAIL_TO_PASS == task["FAIL_TO_PASS"]
+        assert task["FAIL_TO_PASS"] == spec.FAIL_TO_PASS
         assert '"${PYTHON:-python}" -m pytest -rA' in spec.eval_script
         assert spec.eval_script.index(">>>>> Start Test Output") < spec.eval_script.index(">>>>> End Test Output")
 

@@ -140,7 +140,7 @@ def test_sessions_table_fills_task_and_sample(folder, captures, tokenizer, tmp_p
     df, _ = reconstruct([folder], sessions=sessions)
     got = df.group_by("session_id").agg(pl.col("task_id").first(), pl.col("sample_id").first())
     assert dict((s, (t, n)) for s, t, n in got.iter_rows()) == {
-        **{s: (None, None) for s in df["session_id"].unique()},
+        **dict.fromkeys(df["session_id"].unique(), (None, None)),
         S.retry: ("t1", 0),
         S.subagents: ("t2", 3),
     }

@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
+from eval.services import ROOT
 from reconstruct import schema
 from reconstruct.__main__ import main
-from eval.services import ROOT
 
 
 def test_build_stats_audit(captures, tmp_path, capsys):

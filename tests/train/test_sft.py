@@ -17,9 +17,9 @@ import safetensors.torch
 import torch
 from accelerate import Accelerator
 
+from tests import http
 from tests.train.helpers import groups, trace, write
 from train import data, grpo, runtime, sft
-from tests import http
 
 PEFT_WARNING = "ignore:.*is_gradient_checkpointing:FutureWarning"  # peft reads a property transformers 5 deprecates
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,21 +12,20 @@ external-agent-loop profile).
 
 import asyncio
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from fastapi import Body, FastAPI, HTTPException
-from pydantic import ConfigDict
-
 from nemo_gym.base_resources_server import BaseRunRequest, BaseVerifyResponse
 from nemo_gym.base_responses_api_agent import BaseResponsesAPIAgentConfig, SimpleResponsesAPIAgent
 from nemo_gym.openai_utils import NeMoGymResponse, NeMoGymResponseCreateParamsNonStreaming
 from polar_gym import ServiceClient, submission, verify_response
+from pydantic import ConfigDict
 
 
 class PolarSWEAgentConfig(BaseResponsesAPIAgentConfig):
     service_url: str
     """polar-rl rollout service, e.g. http://127.0.0.1:8090."""
-    service_token_file: Optional[str] = None
+    service_token_file: str | None = None
     """File with the service's bearer token (its --token-file), if it has one."""
     harness: str = "mini"
     """Harness preset run on each task, unless a row's metadata.harness says otherwise."""

@@ -15,13 +15,12 @@ import json
 import sys
 from pathlib import Path
 
-from fastapi.testclient import TestClient
-from omegaconf import OmegaConf
-
 import app
+from fastapi.testclient import TestClient
 from nemo_gym.base_resources_server import BaseVerifyResponse
 from nemo_gym.config_types import BaseServerConfig
 from nemo_gym.server_utils import ServerClient
+from omegaconf import OmegaConf
 
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 HERE = Path(__file__).resolve().parent
