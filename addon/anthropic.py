@@ -196,7 +196,7 @@ def _user(blocks: list[dict[str, Any]], i: int) -> list[dict[str, Any]]:
             parts.append(_part(block, i))
     parts = tool_images + parts
     if len(parts) == 1 and parts[0]["type"] == "text":
-        return tools + [{"role": "user", "content": parts[0]["text"]}]
+        return [*tools, {"role": "user", "content": parts[0]["text"]}]
     return tools + ([{"role": "user", "content": parts}] if parts else [])
 
 
@@ -374,7 +374,7 @@ class MessagesTranslation:
         out = self._close_block()
         self.open, self.blocks = key, self.blocks + 1
         event = {"type": "content_block_start", "index": self.blocks - 1, "content_block": block}
-        return out + [native.sse("content_block_start", event)]
+        return [*out, native.sse("content_block_start", event)]
 
     def _close_block(self) -> list[bytes]:
         if self.open is None:
@@ -384,7 +384,7 @@ class MessagesTranslation:
             out.append(self._delta({"type": "signature_delta", "signature": native.mint_reasoning(self.thinking)}))
             self.thinking = ""
         self.open = None
-        return out + [native.sse("content_block_stop", {"type": "content_block_stop", "index": self.blocks - 1})]
+        return [*out, native.sse("content_block_stop", {"type": "content_block_stop", "index": self.blocks - 1})]
 
     def _delta(self, delta: dict[str, Any]) -> bytes:
         event = {"type": "content_block_delta", "index": self.blocks - 1, "delta": delta}
@@ -396,7 +396,7 @@ class MessagesTranslation:
             out = self._open_block(kind, {"type": kind, kind: ""} | ({"signature": ""} if kind == "thinking" else {}))
         if kind == "thinking":
             self.thinking += text
-        return out + [self._delta({"type": f"{kind}_delta", kind: text})]
+        return [*out, self._delta({"type": f"{kind}_delta", kind: text})]
 
     def _tool_call(self, piece: dict[str, Any]) -> list[bytes]:
         """A piece of a streamed tool call. Its block starts once the name is known (the start event names the

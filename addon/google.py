@@ -49,7 +49,8 @@ SCHEMA_DATA = {"enum", "default", "example", "examples", "const", "required", "p
 SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions"}
 GENERATION = {  # generationConfig field -> Chat Completions field
     "maxOutputTokens": "max_tokens", "temperature": "temperature", "topP": "top_p", "topK": "top_k",
-    "stopSequences": "stop", "seed": "seed", "presencePenalty": "presence_penalty", "frequencyPenalty": "frequency_penalty",
+    "stopSequences": "stop", "seed": "seed",
+    "presencePenalty": "presence_penalty", "frequencyPenalty": "frequency_penalty",
 }  # fmt: skip
 _URLSAFE = str.maketrans("-_", "+/")
 _SNAKE = re.compile(r"_([a-z])")
@@ -57,11 +58,14 @@ _SNAKE = re.compile(r"_([a-z])")
 # The fields the translation reads, by kind (native.mismatch, on camelCase names): anything else of the wrong kind
 # is a 400 naming it.
 _PART = {"text": str, "thought": bool, "thoughtSignature": str, "functionCall": {"name": str, "id": str, "args": dict},
-         "functionResponse": {"name": str, "id": str, "response": dict}, "inlineData": {"mimeType": str, "data": str}}  # fmt: skip
+         "functionResponse": {"name": str, "id": str, "response": dict},
+         "inlineData": {"mimeType": str, "data": str}}  # fmt: skip
 _CONTENT = {"role": str, "parts": [_PART]}
 REQUEST = {
     "contents": [_CONTENT], "systemInstruction": native.OneOf(str, _CONTENT), "cachedContent": str,
-    "tools": [{"functionDeclarations": [{"name": str, "description": str, "parameters": dict, "parametersJsonSchema": dict}]}],
+    "tools": [{"functionDeclarations": [
+        {"name": str, "description": str, "parameters": dict, "parametersJsonSchema": dict},
+    ]}],
     "toolConfig": {"functionCallingConfig": {"mode": str, "allowedFunctionNames": [str]}},
     "generationConfig": {
         "maxOutputTokens": native.INTEGER, "temperature": native.NUMBER, "topP": native.NUMBER, "topK": native.NUMBER,

@@ -55,11 +55,11 @@ def detect_api(path: str, headers: dict[str, str], body: Any) -> str:
     base = path.partition("?")[0].rstrip("/")
     if chat.is_chat_path(base):
         return "chat"
-    if base.endswith("/messages") or base.endswith("/messages/count_tokens"):
+    if base.endswith(("/messages", "/messages/count_tokens")):
         return "anthropic"
     if base.endswith("/responses"):
         return "responses"
-    if base.endswith(":generateContent") or base.endswith(":streamGenerateContent"):
+    if base.endswith((":generateContent", ":streamGenerateContent")):
         return "google"
     if "anthropic-version" in headers and isinstance(body, dict):  # not Claude Code's HEAD / probe
         return "anthropic"
@@ -157,7 +157,8 @@ class Polar:
             "polar_backlog_mb",
             int,
             256,
-            "Refuse model calls (503) while more than this many MiB of records wait to be written (a slow or full disk).",
+            "Refuse model calls (503) while more than this many MiB of records wait to be written "
+            "(a slow or full disk).",
         )
 
     def configure(self, updated: set[str]) -> None:
@@ -481,7 +482,8 @@ def _load_salt(path: Path) -> bytes:
 
 
 def _writable_folder(directory: Path) -> bool:
-    """The capture folder, or the nearest folder above it that exists (it is created with the first record), is writable."""
+    """The capture folder, or the nearest folder above it that exists (it is created with the first record), is
+    writable."""
     for folder in (directory, *directory.resolve().parents):
         if folder.exists():
             return folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)

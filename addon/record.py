@@ -289,7 +289,7 @@ def encode_parts(ex: Exchange, decode_content: Any) -> tuple[bytes, ...]:
     if ex.content_encoding and body:
         try:
             body = decode_content(body, ex.content_encoding)
-        except Exception as e:  # keep the encoded bytes rather than lose the response
+        except Exception as e:  # noqa: BLE001 - keep the encoded bytes rather than lose the response
             error = error or {"kind": "decode", "message": f"{ex.content_encoding}: {e}"}
     response_body, response_b64 = None, None
     if body:
@@ -317,7 +317,7 @@ def encode_parts(ex: Exchange, decode_content: Any) -> tuple[bytes, ...]:
         "response_headers": ex.response_headers,
         "injected": ex.injected,
         "translated": ex.translated,
-        "chunks": [[round((t - ex.t_start) * 1000, 3), len(c)] for t, c in zip(ex.chunk_times, ex.chunks)],
+        "chunks": [[round((t - ex.t_start) * 1000, 3), len(c)] for t, c in zip(ex.chunk_times, ex.chunks, strict=True)],
         "request_raw": ex.request.raw,
         "response_b64": response_b64,
         "response_body": response_body,

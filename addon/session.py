@@ -39,7 +39,7 @@ SECRET_QUERY_NAMES = frozenset(
 )  # fmt: skip
 CREDENTIAL_HEADERS = ("authorization", "x-api-key", "x-goog-api-key")
 # Never recorded: credentials and cookies.
-PRIVATE_HEADERS = frozenset(CREDENTIAL_HEADERS + ("cookie", "proxy-authorization", "api-key"))
+PRIVATE_HEADERS = frozenset((*CREDENTIAL_HEADERS, "cookie", "proxy-authorization", "api-key"))
 
 
 @dataclass(frozen=True)

@@ -92,9 +92,13 @@ def install() -> None:
         response = self.flow.response
         tee = response.stream if response is not None else None
         writable = self.context.client.state & ConnectionState.CAN_WRITE
-        if isinstance(event, _events.ResponseProtocolError) and isinstance(tee, TranslatingTee) and writable:
-            if tail := tee.abort(f"the upstream broke off the stream: {event.message}"):
-                yield layer.SendHttp(_events.ResponseData(self.stream_id, tail), self.context.client)
+        if (
+            isinstance(event, _events.ResponseProtocolError)
+            and isinstance(tee, TranslatingTee)
+            and writable
+            and (tail := tee.abort(f"the upstream broke off the stream: {event.message}"))
+        ):
+            yield layer.SendHttp(_events.ResponseData(self.stream_id, tail), self.context.client)
         yield from original(self, event)
 
     handle_protocol_error.polar = True  # type: ignore[attr-defined]
@@ -113,7 +117,7 @@ def translate_request(flow: http.HTTPFlow, ex: Exchange, headers: dict[str, str]
         flow.response = json_response(400, body)
         ex.error = {"kind": "translate", "message": str(e)}
         return
-    except Exception as e:  # a body the field checks let through, and the translator choked on: never forwarded
+    except Exception as e:  # noqa: BLE001 - a body the field checks passed and the translator choked on: never forwarded
         # The client gets its API's 400 without Python in it; the log and the record say what broke, in one line.
         frame = traceback.extract_tb(e.__traceback__)[-1]
         where = f"{Path(frame.filename).name}:{frame.lineno}"

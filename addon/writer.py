@@ -16,6 +16,7 @@ session, API, status), also kept in :attr:`CaptureWriter.unwritten`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -224,10 +225,8 @@ class CaptureWriter:
 
     def _close_fd(self) -> None:
         if self._fd is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(self._fd)
-            except OSError:
-                pass
             self._fd = None
 
 

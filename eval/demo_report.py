@@ -319,8 +319,8 @@ def rewards(run: Path) -> pl.DataFrame:
     """Resolved count and mean reward by stage and task, trained and held-out."""
     frames = []
     for stage in stages_of(run):
-        split = "teacher" if stage == "teacher" else "trained"
-        for folder, split in ((stage, split), (f"{stage}-heldout", "held-out")):
+        trained = "teacher" if stage == "teacher" else "trained"
+        for folder, split in ((stage, trained), (f"{stage}-heldout", "held-out")):
             if (run / folder / "rewards.parquet").is_file():
                 frames.append(
                     read_rewards(run / folder).with_columns(pl.lit(stage).alias("stage"), pl.lit(split).alias("split"))
@@ -398,8 +398,10 @@ def pass_rate_svg(numbers: dict[str, Any]) -> str:
     plot_h = h - top - bottom
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
-        f'<text x="{left}" y="20" font-size="14">pass@1 (the mean reward: 1 resolved, 0 not) '
-        "per stage, 95 % interval</text>",
+        (
+            f'<text x="{left}" y="20" font-size="14">pass@1 (the mean reward: 1 resolved, 0 not) '
+            "per stage, 95 % interval</text>"
+        ),
     ]
     for tick in (0.0, 0.25, 0.5, 0.75, 1.0):
         y = top + plot_h * (1 - tick)

@@ -137,7 +137,7 @@ class _Batch:
         values = [_stack_left_padded(mine.values, theirs.values, length, 2) for mine, theirs in layers]
         ones = torch.ones(1, cache.get_seq_length(), dtype=torch.long)  # (1, T)
         mask = _stack_left_padded(self.mask, ones, length, 1)
-        for layer, layer_keys, layer_values in zip(self.cache.layers, keys, values):
+        for layer, layer_keys, layer_values in zip(self.cache.layers, keys, values, strict=True):
             layer.keys, layer.values = layer_keys, layer_values  # (B + 1, kv_heads, length, head_dim)
         self.mask = mask  # (B + 1, length)
         self.rows.append(seq)
@@ -497,7 +497,7 @@ class Engine:
         """Picks each row's next token from its logits (B, V) and sends it; returns the indices of unfinished rows."""
         logp = torch.log_softmax(logits, dim=-1)  # (B, V)
         going_on = []
-        for i, (seq, row_logits, row_logp) in enumerate(zip(rows, logits, logp)):
+        for i, (seq, row_logits, row_logp) in enumerate(zip(rows, logits, logp, strict=True)):
             if seq.cancelled:
                 continue
             forced = seq.forced
@@ -505,7 +505,7 @@ class Engine:
             seq.generated.append(token)
             k = row_logp.shape[-1] if seq.sampling.top_logprobs == -1 else seq.sampling.top_logprobs
             top = row_logp.topk(k) if k else None
-            pairs = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+            pairs = list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else []
             finish = None
             if token in self.eos_ids or (forced is not None and seq.n_generated == len(forced)):
                 finish = "stop"

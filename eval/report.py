@@ -65,7 +65,7 @@ def pass_table(rewards: pl.DataFrame, ks: tuple[int, ...]) -> pl.DataFrame:
         .agg(n=pl.len(), c=pl.col("resolved").fill_null(False).sum())
         .sort("harness", "task_id")
     )
-    counts = list(zip(per_task["n"].to_list(), per_task["c"].to_list()))
+    counts = list(zip(per_task["n"].to_list(), per_task["c"].to_list(), strict=True))
     return per_task.with_columns(
         pl.Series(f"pass@{k}", [pass_at_k(n, c, k) if n >= k else None for n, c in counts], dtype=pl.Float64)
         for k in ks
@@ -85,8 +85,10 @@ def svg_chart(summary: pl.DataFrame, ks: tuple[int, ...], title: str) -> str:
     bar, gap, height, left, top = 28, 24, 240, 48, 40
     width = left + len(ks) * (len(harnesses) * bar + gap) + 160
     parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height + top + 50}" '
-        'font-family="sans-serif" font-size="12">',
+        (
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height + top + 50}" '
+            'font-family="sans-serif" font-size="12">'
+        ),
         f'<text x="{left}" y="20" font-size="14">{escape(title)}</text>',
     ]
     for tick in (0.0, 0.25, 0.5, 0.75, 1.0):

@@ -227,7 +227,7 @@ def roll_out(job: Job, args: Args, work_root: Path, logs: Path) -> dict[str, Any
                     max_turns=args.max_turns,
                     **common,
                 )
-        except Exception as e:  # checkout or launch: the harness never ran
+        except Exception as e:  # noqa: BLE001 - checkout or launch: the harness never ran
             row["error"] = f"{type(e).__name__}: {e}"[-ERROR_TAIL:]
             (log_dir / "setup_error.txt").write_text(traceback.format_exc())
             return row
@@ -296,11 +296,8 @@ def main(args: Args) -> int:
 
     run_tag = f"{run_dir.resolve().name}-{secrets.token_hex(3)}"  # the nonce keeps reruns into a same-named dir apart
     jobs = [Job(task, n, session_id(run_tag, task["instance_id"], n)) for task in tasks for n in range(args.samples)]
-    if args.keep_workspaces:
-        work_root = run_dir / "workspaces"
-    else:
-        # Outside the run folder: harnesses read instruction files (CLAUDE.md, AGENTS.md) from parent folders.
-        work_root = Path(tempfile.mkdtemp(prefix="polar-rollout-"))
+    # Unless kept, outside the run folder: harnesses read instruction files (CLAUDE.md, AGENTS.md) from parent folders.
+    work_root = run_dir / "workspaces" if args.keep_workspaces else Path(tempfile.mkdtemp(prefix="polar-rollout-"))
     started = time.monotonic()
     try:
         rows = run_all(jobs, args, work_root, run_dir / LOGS)

@@ -34,6 +34,7 @@ Routes (JSON; with ``--token-file`` every route but /health needs ``Authorizatio
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hmac
@@ -283,7 +284,7 @@ class Service:
             self._update(job_id, status="running", started_at=_now())
             try:
                 status, error = self._run(job_id)
-            except Exception as e:  # a bug or a full disk: this job fails, the service goes on
+            except Exception as e:  # noqa: BLE001 - a bug or a full disk: this job fails, the service goes on
                 status, error = "failed", f"{type(e).__name__}: {e}"
             if self.job(job_id)["status"] == "running":
                 self._update(job_id, status=status, error=error, phase=None, finished_at=_now())
@@ -372,7 +373,8 @@ class Service:
         if code == 0:
             return None
         tail = (folder / f"{phase}.log").read_text(errors="replace")[-ERROR_TAIL:].strip()
-        error = f"{phase}: {'killed after %g s' % timeout if code is None else f'exit {code}'}: {tail}"
+        ended = f"killed after {timeout:g} s" if code is None else f"exit {code}"
+        error = f"{phase}: {ended}: {tail}"
         job = self.job(job_id)
         self._update(job_id, phase_errors={**job["phase_errors"], phase: error})
         return error
@@ -397,10 +399,8 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     except psutil.NoSuchProcess:
         tree = []
     for p in [psutil.Process(proc.pid), *tree] if proc.poll() is None else tree:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
-        except psutil.NoSuchProcess:
-            pass
     proc.wait()
 
 

@@ -26,6 +26,7 @@ left no patch). ``grade`` never raises for one bad session.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -137,7 +138,7 @@ def grade(task: dict, patch: str, *, timeout: float, log_dir: Path) -> Grade:
         spec = make_test_spec(task)
         with tempfile.TemporaryDirectory(prefix="polar-grade-", ignore_cleanup_errors=True) as tmp:
             return _grade_in(Path(tmp), task, spec, patch, timeout, log_dir)
-    except Exception as e:  # one broken session must not stop the run; the log keeps what happened
+    except Exception as e:  # noqa: BLE001 - one broken session must not stop the run; the log keeps what happened
         with log.open("a") as f:
             f.write(f"\neval_error: {type(e).__name__}: {e}\n")
             if not isinstance(e, TaskError):
@@ -233,10 +234,8 @@ def run_script(script: Path, repo: Path, env: dict[str, str], timeout: float, lo
             return True
         finally:
             # The whole group: pytest and anything a patch started in the background.
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             proc.wait()
 
 
@@ -260,7 +259,7 @@ def grade_docker(
             run_id,
             int(timeout),
         )
-    except Exception as e:  # a broken instance or a container failure costs this session only
+    except Exception as e:  # noqa: BLE001 - a broken instance or a container failure costs this session only
         (log_dir / "eval.log").write_text(f"eval_error: {type(e).__name__}: {e}\n{traceback.format_exc()}")
         return _ungraded("eval_error")
     swebench_dir = RUN_EVALUATION_LOG_DIR / run_id / name / spec.instance_id
@@ -333,7 +332,10 @@ def main(args: Args) -> int:
     if args.runner == "docker":
         import docker
 
-        no_daemon = "python -m eval score: --runner docker needs a running Docker daemon and none answered ({}). Grade with --runner local, or start Docker."
+        no_daemon = (
+            "python -m eval score: --runner docker needs a running Docker daemon and none answered ({}). "
+            "Grade with --runner local, or start Docker."
+        )
         if not (os.environ.get("DOCKER_HOST") or Path("/var/run/docker.sock").exists()):
             # Asked without an endpoint, the docker client leaves a socket behind for the interpreter to complain of.
             print(no_daemon.format("no DOCKER_HOST and no /var/run/docker.sock"), file=sys.stderr)
@@ -396,7 +398,7 @@ def main(args: Args) -> int:
             "reason": g.reason,
             "report": None if g.report is None else json.dumps(g.report, sort_keys=True),
         }
-        for job, g in zip(jobs, grades)
+        for job, g in zip(jobs, grades, strict=True)
     ]
     path = write_rewards(pl.DataFrame(rows, schema=REWARDS_SCHEMA), out_dir)
     reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(Counter(g.reason for g in grades).items()))

@@ -214,10 +214,8 @@ def _object_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for call in m["tool_calls"]:
                 fn = call.get("function") if isinstance(call, dict) else None
                 if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-                    try:
+                    with contextlib.suppress(json.JSONDecodeError):  # else rendered verbatim, as the client sent it
                         call = {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
-                    except json.JSONDecodeError:
-                        pass  # rendered verbatim, as the client sent it
                 calls.append(call)
             m = {**m, "tool_calls": calls}
         out.append(m)
@@ -333,7 +331,7 @@ def completion_body(req: ChatRequest, prompt_ids: list[int], pieces: Iterator[Pi
         if req.return_token_ids:
             choice["response_token_ids"] = token_ids
         if req.sglang["return_meta_info"]:
-            triples = [[e["logprob"], t, None] for e, t in zip(logprobs, token_ids)] if logprobs else None
+            triples = [[e["logprob"], t, None] for e, t in zip(logprobs, token_ids, strict=True)] if logprobs else None
             choice["meta_info"] = {
                 "prompt_tokens": len(prompt_ids),
                 "completion_tokens": len(token_ids),

@@ -101,7 +101,7 @@ class Service:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log = log
-        self._log_file = open(log, "ab")
+        self._log_file = open(log, "ab")  # noqa: SIM115 - the process writes it until close()
         self.proc = subprocess.Popen(
             cmd, stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT
         )

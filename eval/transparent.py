@@ -1,7 +1,8 @@
 """Transparent mode for harness runs: the proxy and CA environment, a regular-mode mitmdump, and unpointed presets.
 
     python -m eval.transparent env claude-code --proxy-url http://127.0.0.1:8080 --confdir /tmp/polar-ca
-    python -m eval.transparent run codex "Fix the bug." --upstream http://127.0.0.1:8000 --session s1 --workspace /tmp/ws
+    python -m eval.transparent run codex "Fix the bug." --upstream http://127.0.0.1:8000 --session s1 \\
+        --workspace /tmp/ws
 
 ``env`` prints the one line to export so a harness, left exactly as shipped, sends its provider calls through
 the proxy and trusts its CA; ``run`` starts ``mitmdump --mode regular`` with ``polar_reroute`` (addon/reroute.py)

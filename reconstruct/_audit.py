@@ -104,6 +104,6 @@ def audit(
             report.mean = float(d.mean())
             report.max = float(d.max())
             values = np.quantile(d.numpy(), QUANTILES)
-            report.quantiles = {f"p{round(q * 100)}": float(v) for q, v in zip(QUANTILES, values)}
+            report.quantiles = {f"p{round(q * 100)}": float(v) for q, v in zip(QUANTILES, values, strict=True)}
             report.above = int((d > threshold).sum())
     return report

@@ -100,7 +100,7 @@ def reconstruct(
                 )
                 for b in batches
             ]
-            for batch, (batch_frames, part) in zip(batches, pool.map(_build_batch, work)):
+            for batch, (batch_frames, part) in zip(batches, pool.map(_build_batch, work), strict=True):
                 frames += batch_frames
                 stats.add(part)
                 for _ in batch:

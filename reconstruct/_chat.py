@@ -211,7 +211,7 @@ class ChatAssembler:
                 except ValueError:
                     objects.append(None)
                     self.torn = True  # a damaged event: the stream is not whole
-        for name, obj in zip(names, objects):
+        for name, obj in zip(names, objects, strict=True):
             if isinstance(obj, dict):
                 self._chunk(obj, name)
 

@@ -94,7 +94,7 @@ class _Cuts:
             return [ref]
         starts = [ref.offset, *inside]
         pieces = []
-        for start, stop in zip(starts, [*inside, end]):
+        for start, stop in zip(starts, [*inside, end], strict=True):
             head = ref.head if start == ref.offset else os.pread(self._fd, HEAD_BYTES, start)
             pieces.append(LineRef(start, stop - start, head[: stop - start]))
         return pieces
@@ -236,7 +236,7 @@ class CaptureRecord(dict):  # type: ignore[type-arg]
     def sent_upstream_request(self) -> bool:
         """Whether ``upstream_request`` is set, without parsing the bodies."""
         if self._bodies is not None:
-            return not self._bodies[-len(_NO_UPSTREAM) :] == _NO_UPSTREAM
+            return self._bodies[-len(_NO_UPSTREAM) :] != _NO_UPSTREAM
         return self.get("upstream_request") is not None
 
 
@@ -284,7 +284,7 @@ def read_sessions(path: Path) -> dict[str, tuple[str | None, int | None]]:
         raise ConfigError(f"{path}: a session_id appears more than once")
     samples = df["sample_id"].cast(pl.Int32).to_list() if "sample_id" in df.columns else [None] * df.height
     tasks = df["task_id"].cast(pl.String).to_list()
-    return {str(s): (t, n) for s, t, n in zip(df["session_id"].cast(pl.String).to_list(), tasks, samples)}
+    return {str(s): (t, n) for s, t, n in zip(df["session_id"].cast(pl.String).to_list(), tasks, samples, strict=True)}
 
 
 def write_text_atomic(path: Path, text: str) -> Path:

@@ -102,7 +102,7 @@ def detect_eot(tokenizer: Any) -> int | None:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _SENTINEL}], tokenize=False
         )
-    except Exception:  # no template, or one that wants other roles: fall back to EOS
+    except Exception:  # noqa: BLE001 - no template, or one that wants other roles: fall back to EOS
         text = ""
     if _SENTINEL in text:
         special = set(tokenizer.all_special_ids)

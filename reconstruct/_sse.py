@@ -57,7 +57,7 @@ class SSEDecoder:
                 if block[:6] == "data: " and "\n" not in block:
                     out.append(SSEEvent(block[6:], "message", self._id))
                 else:  # anything else, from here on, line by line
-                    lines = "\n\n".join(blocks[i:]).split("\n") + [""]
+                    lines = [*"\n\n".join(blocks[i:]).split("\n"), ""]
                     break
         else:
             lines = (self._rest + text).split("\n") if "\r" not in text else _EOL.split(self._rest + text)

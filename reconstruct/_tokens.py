@@ -58,9 +58,10 @@ class TokenText:
         ids = loads(self.text)
         if not isinstance(ids, list) or (self._n is not None and len(ids) != self._n):
             raise ValueError("a token id array holds something other than token ids")
-        if ids and not self.text[1:-1].replace(",", "").isdigit():  # C speed; the slow check only when odd
-            if not all(type(i) is int and i >= 0 for i in ids):
-                raise ValueError("a token id array holds something other than token ids")
+        # isdigit runs at C speed; the slow check only when that finds something odd.
+        odd = ids and not self.text[1:-1].replace(",", "").isdigit()
+        if odd and not all(type(i) is int and i >= 0 for i in ids):
+            raise ValueError("a token id array holds something other than token ids")
         self._n = len(ids)
         return ids
 

@@ -14,10 +14,12 @@ def scripted_proxy(model_dir, script, tmp, **addon_options):
     Yields the proxy; its ``captures`` attribute is the folder the records go to.
     """
     (tmp / "script.json").write_text(json.dumps(script))
-    with ReferenceServer(model_dir, script=tmp / "script.json", log=tmp / "server.log") as server:
-        with Mitmdump(server.url, tmp / "captures", log=tmp / "mitmdump.log", **addon_options) as mitm:
-            mitm.captures = tmp / "captures"
-            yield mitm
+    with (
+        ReferenceServer(model_dir, script=tmp / "script.json", log=tmp / "server.log") as server,
+        Mitmdump(server.url, tmp / "captures", log=tmp / "mitmdump.log", **addon_options) as mitm,
+    ):
+        mitm.captures = tmp / "captures"
+        yield mitm
 
 
 def read_records(directory, *, session=None, expect=None, timeout=10.0):

@@ -46,7 +46,8 @@ class Args:
 
 
 def script(tasks: list[dict]) -> list[dict]:
-    """One bash call that applies the gold patch on the first N_RESOLVED tasks (told apart by commit), then an answer."""
+    """One bash call that applies the gold patch on the first N_RESOLVED tasks (told apart by commit), then an
+    answer."""
     arms = "".join(
         f"{t['base_commit']}) git apply <<'EOF_GOLD'\n{t['patch']}EOF_GOLD\n;;\n" for t in tasks[:N_RESOLVED]
     )
@@ -80,28 +81,26 @@ def main(args: Args) -> int:
         tmp = Path(tmp_name)
         model = build_tiny(tmp / "tiny")
         (tmp / "script.json").write_text(json.dumps(script(tasks)))
-        with ReferenceServer(model, script=tmp / "script.json", log=tmp / "server.log") as server:
-            with Mitmdump(server.url, tmp / "captures", log=tmp / "mitmdump.log") as proxy:
-                service_args = ServiceArgs(
-                    proxy=proxy.url, captures=tmp / "captures", root=tmp / "jobs", port=free_port()
-                )
-                http, _ = serve(service_args)
-                threading.Thread(target=http.serve_forever, daemon=True).start()
-                client = ServiceClient(f"http://127.0.0.1:{service_args.port}", poll_s=0.5)
+        with (
+            ReferenceServer(model, script=tmp / "script.json", log=tmp / "server.log") as server,
+            Mitmdump(server.url, tmp / "captures", log=tmp / "mitmdump.log") as proxy,
+        ):
+            service_args = ServiceArgs(proxy=proxy.url, captures=tmp / "captures", root=tmp / "jobs", port=free_port())
+            http, _ = serve(service_args)
+            threading.Thread(target=http.serve_forever, daemon=True).start()
+            client = ServiceClient(f"http://127.0.0.1:{service_args.port}", poll_s=0.5)
 
-                def rollout(i: int) -> dict:
-                    gym_row = rows[i] | {"_ng_task_index": i, "_ng_rollout_index": 0}  # what Gym's collection adds
-                    job = submission(gym_row, harness="mini", model="tiny", timeout=300)
-                    answer = verify_response(gym_row, client.run(job, deadline_s=900), model="tiny")
-                    answer["polar"]["trajectories"] = None  # a temporary path: meaningless once committed
-                    print(
-                        f"{tasks[i]['instance_id']}: reward {answer['reward']}, mask {answer['polar']['mask_reasons']}"
-                    )
-                    return answer
+            def rollout(i: int) -> dict:
+                gym_row = rows[i] | {"_ng_task_index": i, "_ng_rollout_index": 0}  # what Gym's collection adds
+                job = submission(gym_row, harness="mini", model="tiny", timeout=300)
+                answer = verify_response(gym_row, client.run(job, deadline_s=900), model="tiny")
+                answer["polar"]["trajectories"] = None  # a temporary path: meaningless once committed
+                print(f"{tasks[i]['instance_id']}: reward {answer['reward']}, mask {answer['polar']['mask_reasons']}")
+                return answer
 
-                with ThreadPoolExecutor(service_args.workers) as pool:
-                    rollouts = list(pool.map(rollout, range(len(rows))))
-                http.shutdown()
+            with ThreadPoolExecutor(service_args.workers) as pool:
+                rollouts = list(pool.map(rollout, range(len(rows))))
+            http.shutdown()
         tokenizer_sha = hashlib.sha256((model / "tokenizer.json").read_bytes()).hexdigest()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "example.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

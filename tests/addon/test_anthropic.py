@@ -391,7 +391,7 @@ def assemble(events):
 
 def run(translation, chunks, complete=True):
     per_chunk = [translation.events(c) for c in chunks]
-    return per_chunk, per_chunk + [translation.finish(complete)]
+    return per_chunk, [*per_chunk, translation.finish(complete)]
 
 
 def test_stream_reasoning_text_two_tool_calls():
@@ -400,7 +400,8 @@ def test_stream_reasoning_text_two_tool_calls():
     events = parse(b"".join(out))
     assert [name for name, _ in events] == [
         "message_start", "ping",
-        "content_block_start", "content_block_delta", "content_block_delta", "content_block_delta", "content_block_stop",
+        "content_block_start", "content_block_delta", "content_block_delta", "content_block_delta",
+        "content_block_stop",
         "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
         "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
         "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
@@ -556,7 +557,9 @@ def test_an_upstream_error_mid_stream_becomes_an_error_event():
     translation = start({"messages": [user()], "stream": True})
     error = {
         "error": {
-            "message": "This model's maximum context length is 4096 tokens. However, your request has 5000 input tokens.",
+            "message": (
+                "This model's maximum context length is 4096 tokens. However, your request has 5000 input tokens."
+            ),
             "code": 400,
         }
     }
@@ -627,8 +630,9 @@ def test_reasoning_round_trip():
 
 @pytest.mark.parametrize(
     ("status", "kind"),
-    [(400, "invalid_request_error"), (401, "authentication_error"), (404, "not_found_error"), (422, "invalid_request_error"),
-     (429, "rate_limit_error"), (500, "api_error"), (502, "api_error"), (503, "overloaded_error"), (504, "timeout_error")],
+    [(400, "invalid_request_error"), (401, "authentication_error"), (404, "not_found_error"),
+     (422, "invalid_request_error"), (429, "rate_limit_error"), (500, "api_error"), (502, "api_error"),
+     (503, "overloaded_error"), (504, "timeout_error")],
 )  # fmt: skip
 def test_error_types(status, kind):
     assert anthropic.error_body(status, "boom") == {"type": "error", "error": {"type": kind, "message": "boom"}}
@@ -638,21 +642,42 @@ def test_error_types(status, kind):
     ("message", "expected"),
     [
         (  # vLLM, prompt alone too long
-            "This model's maximum context length is 32768 tokens. However, your request has 40000 input tokens. Please reduce the length of the input messages.",
+            (
+                "This model's maximum context length is 32768 tokens. However, your request has 40000 input tokens. "
+                "Please reduce the length of the input messages."
+            ),
             "prompt is too long: 40000 tokens > 32768 maximum",
         ),
         (  # vLLM (older wording; also eval/serve.py), the prompt fits but not with max_tokens
-            "This model's maximum context length is 32768 tokens. However, you requested 42000 tokens (10000 in the messages, 32000 in the completion).",
-            "input length and `max_tokens` exceed context limit: 10000 + 32000 > 32768, decrease input length or `max_tokens` and try again",
+            (
+                "This model's maximum context length is 32768 tokens. However, you requested 42000 tokens "
+                "(10000 in the messages, 32000 in the completion)."
+            ),
+            (
+                "input length and `max_tokens` exceed context limit: 10000 + 32000 > 32768, "
+                "decrease input length or `max_tokens` and try again"
+            ),
         ),
         (
-            "'max_tokens' or 'max_completion_tokens' is too large: 32000. This model's maximum context length is 32768 tokens and your request has 900 input tokens (32000 > 32768 - 900).",
-            "input length and `max_tokens` exceed context limit: 900 + 32000 > 32768, decrease input length or `max_tokens` and try again",
+            (
+                "'max_tokens' or 'max_completion_tokens' is too large: 32000. This model's maximum context length is "
+                "32768 tokens and your request has 900 input tokens (32000 > 32768 - 900)."
+            ),
+            (
+                "input length and `max_tokens` exceed context limit: 900 + 32000 > 32768, "
+                "decrease input length or `max_tokens` and try again"
+            ),
         ),
         (  # SGLang
-            "Requested token count exceeds the model's maximum context length of 4096 tokens. You requested a total of "
-            "5000 tokens: 4000 tokens from the input messages and 1000 tokens for the completion.",
-            "input length and `max_tokens` exceed context limit: 4000 + 1000 > 4096, decrease input length or `max_tokens` and try again",
+            (
+                "Requested token count exceeds the model's maximum context length of 4096 tokens. "
+                "You requested a total of 5000 tokens: 4000 tokens from the input messages "
+                "and 1000 tokens for the completion."
+            ),
+            (
+                "input length and `max_tokens` exceed context limit: 4000 + 1000 > 4096, "
+                "decrease input length or `max_tokens` and try again"
+            ),
         ),
         (
             "The decoder prompt (length 33000) is longer than the maximum model length of 32768.",

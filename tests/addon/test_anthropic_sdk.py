@@ -58,8 +58,17 @@ def client(proxy, session):
     return anthropic.Anthropic(base_url=proxy.url, api_key=session, max_retries=0, timeout=60)
 
 
+def create(messages, *, stream, **kwargs):
+    """One message, streamed (read to its end) or not; ``messages`` is ``c.messages`` or ``c.beta.messages``."""
+    if stream:
+        with messages.stream(**kwargs) as events:
+            return events.get_final_message()
+    return messages.create(**kwargs)
+
+
 def two_turns(c, *, stream):
-    """The scripted session, as Claude Code runs it (beta endpoint): a tool call with thinking, its result, an answer."""
+    """The scripted session, as Claude Code runs it (beta endpoint): a tool call with thinking, its result, an
+    answer."""
     messages, answers = list(FIRST_TURN), []
     for _ in SCRIPT:
         kwargs = {
@@ -72,16 +81,13 @@ def two_turns(c, *, stream):
             "metadata": {"user_id": "user_1"},
             "betas": ["interleaved-thinking-2025-05-14"],
         }
-        if stream:
-            with c.beta.messages.stream(**kwargs) as events:
-                message = events.get_final_message()
-        else:
-            message = c.beta.messages.create(**kwargs)
+        message = create(c.beta.messages, stream=stream, **kwargs)
         answers.append(message)
         calls = [b for b in message.content if b.type == "tool_use"]
         result = [{"type": "tool_result", "tool_use_id": b.id, "content": "(no output)"} for b in calls]
-        messages = messages + [
-            {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]}
+        messages = [
+            *messages,
+            {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]},
         ]
         messages.append({"role": "user", "content": result or "ok"})
     return answers
@@ -143,7 +149,8 @@ def test_messages_stream_events_arrive_in_anthropic_order(proxy):
         message = stream.get_final_message()
     assert [name for name, _ in itertools.groupby(raw)] == [
         ("message_start", None),
-        ("content_block_start", None), ("content_block_delta", "thinking_delta"), ("content_block_delta", "signature_delta"),
+        ("content_block_start", None),
+        ("content_block_delta", "thinking_delta"), ("content_block_delta", "signature_delta"),
         ("content_block_stop", None),
         ("content_block_start", None), ("content_block_delta", "input_json_delta"), ("content_block_stop", None),
         ("message_delta", None),
@@ -165,11 +172,7 @@ def test_messages_stream_events_arrive_in_anthropic_order(proxy):
 def test_context_overflow_comes_back_in_anthropic_shape(proxy, stream, content, max_tokens, expected):
     kwargs = {"model": MODEL, "max_tokens": max_tokens, "messages": [{"role": "user", "content": content}]}
     with client(proxy, f"sess-anthropic-overflow-{stream}") as c, pytest.raises(anthropic.APIStatusError) as raised:
-        if stream:
-            with c.messages.stream(**kwargs) as events:
-                events.get_final_message()
-        else:
-            c.messages.create(**kwargs)
+        create(c.messages, stream=stream, **kwargs)
     assert raised.value.status_code == 400 and isinstance(raised.value, anthropic.BadRequestError)
     body = raised.value.body
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"

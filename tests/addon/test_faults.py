@@ -14,7 +14,7 @@ import pytest
 from addon import polar, writer
 from addon.record import ELIDED, Exchange
 from addon.session import resolve
-from tests.addon.test_polar import addon, make_chat_flow, read_records, run_exchange, set_response, tctx  # noqa: F401 - fixtures
+from tests.addon.test_polar import make_chat_flow, read_records, run_exchange, set_response
 
 SALT = b"salt"
 
@@ -144,7 +144,7 @@ def test_shutdown_on_a_full_disk_is_bounded_and_names_every_record_it_lost(addon
         closing.join(60)
     assert not closing.is_alive()
     assert len(w.unwritten) == 3 and {u.split()[1] for u in w.unwritten} == ids
-    for i, record_id in enumerate(sorted(ids)):
+    for record_id in sorted(ids):
         assert f"NOT WRITTEN: record {record_id}" in caplog.text
     assert "3 records were NOT written" in caplog.text
     assert lines_of(tmp_path / "captures") == b""  # the 100 bytes that got out were cut off again
@@ -192,7 +192,7 @@ def test_health_answers_loaded_options_and_whether_it_records(addon, tctx, tmp_p
 
 
 @pytest.mark.parametrize(
-    "path,shape",
+    ("path", "shape"),
     [("/v1/chat/completions", "error"), ("/v1/messages", "type"), ("/v1/responses", "error"),
      ("/v1beta/models/m:generateContent", "error")],
 )  # fmt: skip
@@ -259,7 +259,7 @@ def test_a_large_request_body_costs_one_copy_in_the_request_hook(addon, tctx, sh
 
 
 @pytest.mark.parametrize(
-    "headers,path",
+    ("headers", "path"),
     [
         ({}, "/v1beta/models/m:generateContent?KEY=sk-live-SECRET1"),
         ({}, "/v1/chat/completions?api_key=sk-live-SECRET1&x=1"),
@@ -307,7 +307,10 @@ def test_short_writes_split_inside_a_record_still_give_whole_lines(addon, tctx, 
 
 
 LEAN_CASES = [
-    b'{"model": "m", "messages": [{"role": "user", "content": "caf\\u00e9 \\ud83d\\ude00 \\"q\\" \\\\ \\/ \\b\\f\\n\\r\\t"}], "stream": true}',
+    (
+        b'{"model": "m", "messages": [{"role": "user", '
+        b'"content": "caf\\u00e9 \\ud83d\\ude00 \\"q\\" \\\\ \\/ \\b\\f\\n\\r\\t"}], "stream": true}'
+    ),
     b' \t\r\n{ "messages" : [ ] , "tools":[{"a":[1,-2.5e3,true,false,null,{"b":{}}]}] , "x" : NaN, "y": -Infinity } \n',
     b'{"messages": [{"content": [{"type": "text", "text": "\xc3\xa9\xe2\x82\xac"}]}], "system": "s", "input": 5}',
     b"{}",

@@ -212,16 +212,16 @@ def test_every_type_mutation_is_translated_or_refused_with_a_400_naming_the_fiel
 def test_a_field_of_the_wrong_kind_is_named_in_each_api_s_words():
     with pytest.raises(native.BadRequest, match=r"^system: expected a string or an array of objects, got a number$"):
         anthropic.start({**CLAUDE_CODE, "system": 5}, "/v1/messages", {}, OPTIONS)
+    body = copy.deepcopy(CLAUDE_CODE)
+    body["messages"][0]["content"][1]["source"] = "x"
     with pytest.raises(native.BadRequest, match=r"^messages\.0\.content\.1\.source: expected an object, got a string$"):
-        body = copy.deepcopy(CLAUDE_CODE)
-        body["messages"][0]["content"][1]["source"] = "x"
         anthropic.start(body, "/v1/messages", {}, OPTIONS)
+    body = copy.deepcopy(CODEX)
+    body["input"][3]["content"][0]["text"] = 5
     with pytest.raises(
         native.BadRequest,
         match=r"^Invalid type for 'input\[3\]\.content\[0\]\.text': expected a string, but got a number instead\.$",
     ) as raised:
-        body = copy.deepcopy(CODEX)
-        body["input"][3]["content"][0]["text"] = 5
         responses.start(body, "/v1/responses", {}, OPTIONS)
     assert raised.value.param == "input[3].content[0].text"
     assert (

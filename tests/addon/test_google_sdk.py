@@ -52,12 +52,16 @@ def client(proxy, session):
     return genai.Client(api_key=session, http_options=options)
 
 
+def generate(c, contents, *, stream, config=CONFIG):
+    """One model turn's responses: every streamed one, or the single answer."""
+    if stream:
+        return list(c.models.generate_content_stream(model=MODEL, contents=contents, config=config))
+    return [c.models.generate_content(model=MODEL, contents=contents, config=config)]
+
+
 def ask(c, contents, *, stream):
     """One model turn as (thought text, the parts a harness keeps: non-thought ones, finish reason)."""
-    if stream:
-        responses = list(c.models.generate_content_stream(model=MODEL, contents=contents, config=CONFIG))
-    else:
-        responses = [c.models.generate_content(model=MODEL, contents=contents, config=CONFIG)]
+    responses = generate(c, contents, stream=stream)
     assert all(r.model_version == MODEL for r in responses)
     parts = [p for r in responses for p in (r.candidates[0].content.parts or [] if r.candidates[0].content else [])]
     thoughts = "".join(p.text for p in parts if p.thought)
@@ -134,10 +138,7 @@ def test_upstream_error_is_an_api_error_in_googles_shape(stream, proxy):
     c = client(proxy, f"sess-google-error-{stream}")
     config = CONFIG.model_copy(update={"max_output_tokens": 10**7})  # more than the model's context: upstream 400
     with pytest.raises(errors.APIError) as raised:
-        if stream:
-            list(c.models.generate_content_stream(model=MODEL, contents=FIRST_TURN, config=config))
-        else:
-            c.models.generate_content(model=MODEL, contents=FIRST_TURN, config=config)
+        generate(c, FIRST_TURN, stream=stream, config=config)
     assert raised.value.code == 400 and raised.value.status == "INVALID_ARGUMENT"
     assert raised.value.message.startswith("The input token count exceeds the maximum number of tokens allowed.")
     (record,) = read_records(proxy.captures, session=f"sess-google-error-{stream}", expect=1)

@@ -1,11 +1,10 @@
 """The addon's hooks, called directly as mitmproxy's own addon tests do."""
 
-import asyncio
 import json
 import time
 
 import pytest
-from mitmproxy.test import taddons, tflow, tutils
+from mitmproxy.test import tflow, tutils
 
 from addon import polar
 from addon.record import upstream_body
@@ -35,27 +34,6 @@ def set_response(flow, *, content_type="application/json", status=200, headers=(
     flow.response = tutils.tresp(
         status_code=status, content=b"", headers=((b"content-type", content_type.encode()), *headers)
     )
-
-
-@pytest.fixture
-def addon():
-    return polar.Polar()
-
-
-@pytest.fixture
-def tctx(addon, tmp_path):
-    loop = asyncio.new_event_loop()  # owned here so it is closed: taddons would leak its own
-
-    async def enter():
-        return taddons.context(addon)
-
-    try:
-        with loop.run_until_complete(enter()) as tctx:
-            tctx.configure(addon, polar_dir=str(tmp_path / "captures"))
-            yield tctx
-            addon.done()
-    finally:
-        loop.close()
 
 
 def run_exchange(addon, flow, chunks, **response):

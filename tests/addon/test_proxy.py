@@ -106,7 +106,8 @@ def two_turns(c, *, stream):
         results.append(result)
         if result["calls"]:
             call = result["calls"][0]
-            messages = messages + [
+            messages = [
+                *messages,
                 {
                     "role": "assistant",
                     "content": result["content"],
@@ -208,9 +209,11 @@ def test_non_json_body_is_forwarded_and_recorded(proxy, scripted):
 
 
 def test_upstream_down_gives_openai_error(tmp_path):
-    with Mitmdump(f"http://127.0.0.1:{free_port()}", tmp_path / "captures", log=tmp_path / "mitmdump.log") as mitm:
-        with pytest.raises(openai.APIStatusError) as raised:
-            client(mitm.url, "sess-down").chat.completions.create(model="tiny", messages=FIRST_TURN)
+    with (
+        Mitmdump(f"http://127.0.0.1:{free_port()}", tmp_path / "captures", log=tmp_path / "mitmdump.log") as mitm,
+        pytest.raises(openai.APIStatusError) as raised,
+    ):
+        client(mitm.url, "sess-down").chat.completions.create(model="tiny", messages=FIRST_TURN)
     assert raised.value.status_code == 502
     assert "Connect call failed" in raised.value.body["message"]
     (record,) = read_records(tmp_path / "captures", expect=1)

@@ -91,7 +91,7 @@ def test_reroute_option_parses_hosts_and_defaults():
 
 
 def test_host_both_rerouted_and_captured_is_refused(addons, tctx):
-    with pytest.raises(exceptions.OptionsError, match="api.openai.com"):
+    with pytest.raises(exceptions.OptionsError, match=r"api\.openai\.com"):
         tctx.configure(addons[0], polar_capture="api.openai.com")
 
 

@@ -204,7 +204,7 @@ def test_images_stay_parts():
 
 
 @pytest.mark.parametrize(
-    "body, words",
+    ("body", "words"),
     [
         ({"input": "hi", "previous_response_id": "resp_1"}, "keeps none"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "keeps none"),
@@ -405,7 +405,7 @@ def test_each_chunk_is_answered_as_it_arrives():
         "response.function_call_arguments.delta",
         "response.function_call_arguments.delta",
     ]
-    for c, event in zip(CHUNKS, due):
+    for c, event in zip(CHUNKS[:9], due, strict=True):
         assert f"event: {event}\n".encode() in translation.events(c)
     assert translation.events(CHUNKS[9]) == translation.events(USAGE) == b""  # the end waits for usage and finish
 

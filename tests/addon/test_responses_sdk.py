@@ -95,7 +95,7 @@ def comparable(response):
 def test_reasoning_and_tool_call_round_trip_streamed_equals_non_streamed(proxy):
     with client(proxy, "sess-resp-s") as s, client(proxy, "sess-resp-n") as n:
         streamed, plain = two_turns(s, stream=True), two_turns(n, stream=False)
-    for s, n in zip(streamed[:2], plain[:2]):
+    for s, n in zip(streamed[:2], plain[:2], strict=True):
         assert comparable(s) == comparable(n)
 
     first, second, kinds = streamed

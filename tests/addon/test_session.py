@@ -16,7 +16,7 @@ def test_path_prefix_is_stripped():
 
 
 @pytest.mark.parametrize(
-    "headers,path,where",
+    ("headers", "path", "where"),
     [
         ({"authorization": "Bearer sess-1"}, "/v1/chat/completions", "authorization"),
         ({"x-api-key": "sess-1"}, "/v1/messages", "x-api-key"),

@@ -467,14 +467,20 @@ def _raw(t: Target) -> dict[str, object]:
 def _notes(cfg: Config, plan: Plan, elapsed: float) -> list[str]:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return [
-        f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {'quick' if cfg.quick else 'full'} run ({elapsed:.0f} s), "
-        f"{platform.machine()} with {cpus} CPUs shared by client, upstream and proxies; Python "
-        f"{platform.python_version()}, mitmproxy {version('mitmproxy')}, httpx {version('httpx')}.",
-        f"{plan.rounds} rounds rotating the order of the paths; per path and round: {plan.seq} non-streamed "
-        f"{cfg.body_kb} KB requests on one keep-alive connection, {plan.streams} streams of {cfg.chunks} SSE chunks "
-        f"({cfg.stream_body_kb} KB requests), {plan.conc} requests over {cfg.concurrency} keep-alive connections.",
-        "Latency percentiles pool all rounds; requests/s is the median over rounds; proxy CPU is the mitmdump "
-        "process's user + system time per request. Bare mitmdump buffers SSE, so its first byte is its total time.",
+        (
+            f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {'quick' if cfg.quick else 'full'} run ({elapsed:.0f} s), "
+            f"{platform.machine()} with {cpus} CPUs shared by client, upstream and proxies; Python "
+            f"{platform.python_version()}, mitmproxy {version('mitmproxy')}, httpx {version('httpx')}."
+        ),
+        (
+            f"{plan.rounds} rounds rotating the order of the paths; per path and round: {plan.seq} non-streamed "
+            f"{cfg.body_kb} KB requests on one keep-alive connection, {plan.streams} streams of {cfg.chunks} SSE chunks "
+            f"({cfg.stream_body_kb} KB requests), {plan.conc} requests over {cfg.concurrency} keep-alive connections."
+        ),
+        (
+            "Latency percentiles pool all rounds; requests/s is the median over rounds; proxy CPU is the mitmdump "
+            "process's user + system time per request. Bare mitmdump buffers SSE, so its first byte is its total time."
+        ),
     ]
 
 

@@ -92,7 +92,7 @@ class Writer:
 
     def __init__(self, folder: Path, pid: int) -> None:
         self.folder, self.pid, self.n, self.size = folder, pid, 0, 0
-        self.f = open(self._path(), "wb")
+        self.f = open(self._path(), "wb")  # noqa: SIM115 - rotated by write(), closed by close()
 
     def _path(self) -> Path:
         return self.folder / f"capture-20261129T000000Z-{self.pid}{f'.{self.n}' if self.n else ''}.jsonl"
@@ -101,7 +101,7 @@ class Writer:
         if self.size and self.size + len(line) > ROTATE:
             self.f.close()
             self.n, self.size = self.n + 1, 0
-            self.f = open(self._path(), "wb")
+            self.f = open(self._path(), "wb")  # noqa: SIM115 - closed at the next rotation or by close()
         self.f.write(line)
         self.size += len(line)
 
@@ -168,7 +168,7 @@ class Session:
 
     def _answer(self) -> tuple[list[int], str]:
         n = int(self.rng.integers(60, 260))
-        return self._ids(n - 1) + [EOT], self._words(n)
+        return [*self._ids(n - 1), EOT], self._words(n)
 
     def _record(self, t: float, a: list[int], *, retried: bool) -> bytes:
         self.sampled += len(a)
@@ -205,7 +205,10 @@ class Session:
         return encode(ex, lambda data, encoding: data)
 
     def _json(self, a: list[int], logprobs: list[float]) -> bytes:
-        content = [{"token": f"t{i}", "logprob": lp, "bytes": [116], "top_logprobs": []} for i, lp in zip(a, logprobs)]
+        content = [
+            {"token": f"t{i}", "logprob": lp, "bytes": [116], "top_logprobs": []}
+            for i, lp in zip(a, logprobs, strict=True)
+        ]
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": "x", "reasoning": None, "tool_calls": []},
@@ -235,7 +238,7 @@ class Session:
             + '"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],'
         )
         chunks = [(first + f'"prompt_token_ids":[{self.prompt}]}}\n\n').encode()]
-        for n, (i, lp) in enumerate(zip(a, logprobs)):
+        for n, (i, lp) in enumerate(zip(a, logprobs, strict=True)):
             finish = '"stop"' if n == len(a) - 1 else "null"
             chunks.append(
                 (
@@ -408,8 +411,8 @@ def report(
     calls_tokens = gen["prompt_tokens"] + gen["sampled_tokens"]
     trace_tokens = rec["prompt"] + rec["trainable"] + rec["masked"]
     rows = [
-        ("capture set", f"{gen['sessions']} sessions x {gen['calls_per_session']} calls, {gen['records']:,} records, "
-         f"{gen['files']} files, {gen['bytes'] / mb:,.0f} MB"),
+        ("capture set", (f"{gen['sessions']} sessions x {gen['calls_per_session']} calls, {gen['records']:,} records, "
+                         f"{gen['files']} files, {gen['bytes'] / mb:,.0f} MB")),
         ("tokens in the calls (prompts + sampled)", f"{calls_tokens:,}"),
         ("tokens in the traces (prompt + response)", f"{trace_tokens:,} in {rec['traces']:,} traces"),
         (f"baseline: read + parse every line ({parse['json']}), wall / CPU", f"{parse['seconds']:.2f} / {parse['cpu_seconds']:.2f} s"),
@@ -433,16 +436,24 @@ def report(
         table.add_row(name, value)
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     notes = [
-        f"{when}, {'quick' if cfg.quick else 'full'} run, {platform.machine()} with {os.cpu_count()} CPUs shared with "
-        f"other work; Python {platform.python_version()}; generating the captures took {gen_s:.0f} s (not measured).",
-        f"Baseline and reconstruction each run in a fresh child process, alternated, fastest of {len(parse['all_seconds'])} "
-        f"counted (baseline runs {parse['all_seconds']} s, reconstruction runs {rec['all_seconds']} s, with --jobs "
-        f"{cfg.jobs} {par['all_seconds']} s); files in the page "
-        "cache (the generator just wrote them); peak RSS is the child's ru_maxrss, imports included.",
-        "Prompts grow linearly per session; every other session streamed (one SSE chunk per sampled token); a "
-        "compaction every 10th session and a retried call every 7th; sessions interleaved over two writers.",
-        f"Check: trainable tokens {rec['trainable']:,} = sampled tokens {gen['sampled_tokens']:,}; traces "
-        f"{rec['traces']:,} = expected {gen['expected_traces']:,}; breaks {rec['breaks']}.",
+        (
+            f"{when}, {'quick' if cfg.quick else 'full'} run, {platform.machine()} with {os.cpu_count()} CPUs shared with "
+            f"other work; Python {platform.python_version()}; generating the captures took {gen_s:.0f} s (not measured)."
+        ),
+        (
+            f"Baseline and reconstruction each run in a fresh child process, alternated, fastest of {len(parse['all_seconds'])} "
+            f"counted (baseline runs {parse['all_seconds']} s, reconstruction runs {rec['all_seconds']} s, with --jobs "
+            f"{cfg.jobs} {par['all_seconds']} s); files in the page "
+            "cache (the generator just wrote them); peak RSS is the child's ru_maxrss, imports included."
+        ),
+        (
+            "Prompts grow linearly per session; every other session streamed (one SSE chunk per sampled token); a "
+            "compaction every 10th session and a retried call every 7th; sessions interleaved over two writers."
+        ),
+        (
+            f"Check: trainable tokens {rec['trainable']:,} = sampled tokens {gen['sampled_tokens']:,}; traces "
+            f"{rec['traces']:,} = expected {gen['expected_traces']:,}; breaks {rec['breaks']}."
+        ),
     ]
     md = ["| metric | value |", "| --- | ---: |", *[f"| {n} | {v} |" for n, v in rows], "", *[f"- {n}" for n in notes]]
     raw = {

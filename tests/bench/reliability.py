@@ -332,7 +332,7 @@ def memory(cfg: Config, tmp: Path, *, bare: bool) -> dict[str, Any]:
                 if r.status_code != 200:
                     raise RuntimeError(f"a {cfg.body_mb} MB body got {r.status_code}: {r.text[:200]}")
                 if not bare:  # one body at a time: its record written before the next arrives
-                    wait_for(lambda: health(proxy.port)["records_written"] == n + 2, "the record")
+                    wait_for(lambda n=n: health(proxy.port)["records_written"] == n + 2, "the record")
         time.sleep(1.0)
         after = rss_kb(proxy.pid)
         mb = len(body) / (1 << 20)
@@ -404,15 +404,21 @@ def main(cfg: Config) -> int:
         return 1
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     notes = [
-        f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {'quick' if cfg.quick else 'full'} run ({time.monotonic() - started:.0f} s), "
-        f"{platform.machine()} with {cpus} CPUs shared by clients, upstream and proxy; Python {platform.python_version()}, "
-        f"mitmproxy {version('mitmproxy')}.",
+        (
+            f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {'quick' if cfg.quick else 'full'} run ({time.monotonic() - started:.0f} s), "
+            f"{platform.machine()} with {cpus} CPUs shared by clients, upstream and proxy; Python {platform.python_version()}, "
+            f"mitmproxy {version('mitmproxy')}."
+        ),
         f"kill -9: {cfg.kill_rounds} rounds, {cfg.streams} clients streaming 50-chunk answers (10 ms apart) one after another.",
-        f"Full disk: mitmdump's RLIMIT_FSIZE set to the capture file's size for {cfg.full_s:.0f} s under {cfg.disk_clients} "
-        "clients sending 20 KB calls; writes fail with EFBIG as they would with ENOSPC. 'Answered per s after' covers 10 s "
-        "from the moment space returned.",
-        f"Memory: {cfg.bodies} non-streamed {cfg.body_mb} MB bodies one after another; peak = VmHWM above VmRSS after a small "
-        "warm-up call, left = VmRSS after the last call above the same level, both per MB of one body.",
+        (
+            f"Full disk: mitmdump's RLIMIT_FSIZE set to the capture file's size for {cfg.full_s:.0f} s under {cfg.disk_clients} "
+            "clients sending 20 KB calls; writes fail with EFBIG as they would with ENOSPC. 'Answered per s after' covers 10 s "
+            "from the moment space returned."
+        ),
+        (
+            f"Memory: {cfg.bodies} non-streamed {cfg.body_mb} MB bodies one after another; peak = VmHWM above VmRSS after a small "
+            "warm-up call, left = VmRSS after the last call above the same level, both per MB of one body."
+        ),
     ]
     table = Table(title="Reliability")
     table.add_column("measure")

@@ -319,19 +319,29 @@ def notes(cfg: Config, step: dict[str, object], memory: dict[str, object], elaps
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     return [
-        f"{when}, {'quick' if cfg.quick else 'full'} run ({elapsed:.0f} s), {platform.machine()} with {cpus} CPUs "
-        f"(shared); Python {platform.python_version()}, torch {torch.__version__}, transformers "
-        f"{version('transformers')}, peft {version('peft')}; {step['threads']} torch thread(s) for the steps.",
-        f"Steps: random Qwen3 (hidden 256, 4 layers, vocab 8192, tied), LoRA r 16 on all linear layers, gradient "
-        f"checkpointing, {step['tokens_per_step']} tokens per step in 2 packed micro-batches, every response token "
-        f"trained; CPU time, best and median of {step['rounds']} rotating rounds after a warm-up.",
-        f"Memory: log-probs + loss + backward from (T, {memory['hidden']}) hidden states, vocab {memory['vocab']}, "
-        f"chunk {memory['chunk']}, frozen output layer; peak resident memory above the level before the call, fresh "
-        "process each.",
-        "At 32k tokens and a 151,936 vocabulary one fp32 copy of the full logits is 18.5 GiB; a 512-token chunk "
-        "is 0.29 GiB (arithmetic, not measured).",
-        "Measure on a GPU: bf16 + flash-attention step time, long traces (8k-32k tokens) against torch.cuda "
-        "max_memory_allocated, and multi-GPU scaling (DDP, FSDP, DeepSpeed).",
+        (
+            f"{when}, {'quick' if cfg.quick else 'full'} run ({elapsed:.0f} s), {platform.machine()} with {cpus} CPUs "
+            f"(shared); Python {platform.python_version()}, torch {torch.__version__}, transformers "
+            f"{version('transformers')}, peft {version('peft')}; {step['threads']} torch thread(s) for the steps."
+        ),
+        (
+            f"Steps: random Qwen3 (hidden 256, 4 layers, vocab 8192, tied), LoRA r 16 on all linear layers, gradient "
+            f"checkpointing, {step['tokens_per_step']} tokens per step in 2 packed micro-batches, every response token "
+            f"trained; CPU time, best and median of {step['rounds']} rotating rounds after a warm-up."
+        ),
+        (
+            f"Memory: log-probs + loss + backward from (T, {memory['hidden']}) hidden states, vocab {memory['vocab']}, "
+            f"chunk {memory['chunk']}, frozen output layer; peak resident memory above the level before the call, fresh "
+            "process each."
+        ),
+        (
+            "At 32k tokens and a 151,936 vocabulary one fp32 copy of the full logits is 18.5 GiB; a 512-token chunk "
+            "is 0.29 GiB (arithmetic, not measured)."
+        ),
+        (
+            "Measure on a GPU: bf16 + flash-attention step time, long traces (8k-32k tokens) against torch.cuda "
+            "max_memory_allocated, and multi-GPU scaling (DDP, FSDP, DeepSpeed)."
+        ),
     ]
 
 

@@ -144,11 +144,13 @@ def test_demo_writes_the_run_folder_and_its_summary_agrees_with_the_files(demo_r
         resolved = rewards.filter(pl.col("resolved")).sort("sample_id")["sample_id"].to_list()
         assert resolved == [0, 2] and numbers["pass_rate"] == 0.5 and numbers["ci95"][0] < 0.5 < numbers["ci95"][1]
         assert numbers["heldout"]["graded"] == HELDOUT_SAMPLES and numbers["heldout"]["resolved"] == 0
-        assert dict(zip(traces["session_id"], traces["reward"])) == dict(zip(rewards["session_id"], rewards["reward"]))
+        assert dict(zip(traces["session_id"], traces["reward"], strict=True)) == dict(
+            zip(rewards["session_id"], rewards["reward"], strict=True)
+        )
 
     grpo = summary["train"]["grpo1"]
     assert grpo["steps"] == 1 and grpo["groups_with_signal"] == grpo["groups"] == 1
-    gain = [t for t in summary["tests"] if t["to"] == "grpo1" and t["from"] == "sft"][0]
+    gain = next(t for t in summary["tests"] if t["to"] == "grpo1" and t["from"] == "sft")
     assert gain["p_value"] == pytest.approx(1.0) and gain["verdict"].startswith(
         "no significant change"
     )  # replayed: same counts
@@ -166,8 +168,8 @@ def sampled(run: Path, stage: str, rewarded: bool) -> list[tuple[int, float]]:
     traces = schema.read(demo_report.trajectories_path(run, stage)).filter(pl.col("reward") == float(rewarded))
     return [
         (t, lp)
-        for ids, lps, mask in zip(traces["response_ids"], traces["logprobs"], traces["loss_mask"])
-        for t, lp, m in zip(ids, lps, mask)
+        for ids, lps, mask in zip(traces["response_ids"], traces["logprobs"], traces["loss_mask"], strict=True)
+        for t, lp, m in zip(ids, lps, mask, strict=True)
         if m
     ]
 

@@ -89,7 +89,7 @@ def test_folder_follows_gym_conventions():
     assert (ROOT / "eval" / "nemo_gym" / agent["datasets"][0]["jsonl_fpath"]).is_file()
     assert (AGENT / "requirements.txt").is_file() and not (AGENT / "pyproject.toml").exists()
     assert len(ROWS) >= 5 and len(ROLLOUTS) == len(ROWS)
-    for row, rollout in zip(ROWS, ROLLOUTS):
+    for row, rollout in zip(ROWS, ROLLOUTS, strict=True):
         CreateParams.model_validate(row["responses_create_params"])
         assert row["agent_ref"] == {"type": "responses_api_agents", "name": "polar_swe_agent"}
         assert rollout["responses_create_params"]["metadata"]["instance_id"] == row["instance"]["instance_id"]

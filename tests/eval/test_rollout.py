@@ -171,7 +171,7 @@ def test_crashing_hanging_idle_and_unstartable_harnesses_are_recorded_and_the_ru
     )
 
     sessions = read_sessions(run)
-    statuses = dict(zip(sessions["task_id"], sessions.select("status", "exit_code", "error").iter_rows()))
+    statuses = dict(zip(sessions["task_id"], sessions.select("status", "exit_code", "error").iter_rows(), strict=True))
     assert statuses[tasks["crash"]["instance_id"]] == ("crashed", 3, "exit 3; stderr: agent exploded")
     status, code, error = statuses[tasks["hang"]["instance_id"]]
     assert (status, code) == ("timeout", None) and error.startswith("killed after 3 s")

@@ -110,7 +110,8 @@ def tasks():
 @pytest.fixture(scope="module")
 def proxy(tasks, tiny_model_dir, tmp_path_factory):
     gold = f"git apply <<'EOF_GOLD'\n{tasks['fixed']['patch']}EOF_GOLD"
-    command = f'case "$(git rev-parse HEAD)" in\n{tasks["fixed"]["base_commit"]}) {gold}\n;;\n*) printf x > NOTES.txt\n;;\nesac'
+    fixed = tasks["fixed"]["base_commit"]
+    command = f'case "$(git rev-parse HEAD)" in\n{fixed}) {gold}\n;;\n*) printf x > NOTES.txt\n;;\nesac'
     script = [
         {
             "reasoning": "Fix it in place.",

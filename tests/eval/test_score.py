@@ -133,7 +133,7 @@ def test_run_dir_sessions_are_graded(toy, tmp_path):
     assert main(Args(run_dir=tmp_path, concurrency=2, timeout=60)) == 0
     rewards = read_rewards(tmp_path)
     assert rewards["session_id"].to_list() == sorted(sid for sid, _, _ in sessions)
-    reasons = dict(zip(rewards["session_id"], zip(rewards["reason"], rewards["reward"])))
+    reasons = dict(zip(rewards["session_id"], zip(rewards["reason"], rewards["reward"], strict=True), strict=True))
     assert reasons == {
         "s-crashed": ("session_failed", 0.0),
         "s-gold": ("graded", 1.0),
@@ -184,7 +184,7 @@ def test_gold_patch_resolves_every_task_and_a_rerun_writes_the_same_rewards(toy,
     assert rewards["task_id"].to_list() == sorted(toy) and rewards["reason"].unique().to_list() == ["graded"]
     assert rewards["resolved"].all() and (rewards["reward"] == 1.0).all()
     assert f"resolved {len(toy)}/{len(toy)}" in first.stdout and "rewards.parquet" in first.stdout
-    for iid, report in zip(rewards["task_id"], rewards["report"]):
+    for iid, report in zip(rewards["task_id"], rewards["report"], strict=True):
         assert json.loads(report)["tests_status"]["FAIL_TO_PASS"]["success"] == toy[iid]["FAIL_TO_PASS"]
         assert json.loads((tmp_path / "logs" / "gold" / iid / "report.json").read_text())[iid]["resolved"]
     # The rerun in-process: the same command, without paying for a second interpreter start.

@@ -35,7 +35,7 @@ def test_sessions_take_messages_in_order_then_repeat_the_last(tmp_path, fmt):
 def test_malformed_scripts_are_refused(tmp_path, items):
     path = tmp_path / "script.json"
     path.write_text(json.dumps(items))
-    with pytest.raises(ValueError, match="script.json"):
+    with pytest.raises(ValueError, match=r"script\.json"):
         Script.load(path)
 
 

@@ -192,7 +192,8 @@ def test_scripted_tool_calls_per_session(scripted, tokenizer):
     assert b1["finish_reasons"][-1] == "tool_calls"
 
     # Second turn: the harness sends the answer back with the tool result; the prompt extends the first turn.
-    history = USER + [
+    history = [
+        *USER,
         {
             "role": "assistant",
             "content": choice.message.content,

@@ -39,7 +39,7 @@ def folder(captures, tmp_path_factory):
     future = json.loads(lines[0])
     future["v"], future["id"] = 2, "f" * 32
     other = {**json.loads(lines[1]), "id": "e" * 32, "api": "other", "path": "/v1/models", "request": None}
-    first = lines[:half] + [b"{this is not json", json.dumps(future).encode(), json.dumps(other).encode()]
+    first = [*lines[:half], b"{this is not json", json.dumps(future).encode(), json.dumps(other).encode()]
     (out / path.name).write_bytes(b"\n".join(first) + b"\n")
     (out / path.name.replace(".jsonl", ".1.jsonl")).write_bytes(b"\n".join(lines[half:]) + b"\n" + lines[0][:300])
     return out
@@ -72,7 +72,7 @@ def test_stats_count_everything(built, tokenizer):
 def test_every_row_is_faithful_and_no_call_is_missing(built, captures):
     df, _ = built
     records = {r["id"]: r for r in captures.records()}
-    assert df["trace_id"].to_list() == [f"{s}/{k}" for s, k in zip(df["session_id"], df["chain_index"])]
+    assert df["trace_id"].to_list() == [f"{s}/{k}" for s, k in zip(df["session_id"], df["chain_index"], strict=True)]
     assert df["session_id"].to_list() == sorted(df["session_id"])  # sessions in order, traces by first call
     for row in df.iter_rows(named=True):
         mask = np.array(row["loss_mask"], dtype=bool)
@@ -139,7 +139,7 @@ def test_sessions_table_fills_task_and_sample(folder, captures, tokenizer, tmp_p
     assert sessions == {S.retry: ("t1", 0), S.subagents: ("t2", 3)}
     df, _ = reconstruct([folder], sessions=sessions)
     got = df.group_by("session_id").agg(pl.col("task_id").first(), pl.col("sample_id").first())
-    assert dict((s, (t, n)) for s, t, n in got.iter_rows()) == {
+    assert {s: (t, n) for s, t, n in got.iter_rows()} == {
         **dict.fromkeys(df["session_id"].unique(), (None, None)),
         S.retry: ("t1", 0),
         S.subagents: ("t2", 3),
@@ -168,7 +168,7 @@ def test_per_request_and_keep_modes(folder, tokenizer):
 def test_bad_inputs(tmp_path):
     with pytest.raises(CaptureError, match="no such"):
         reconstruct([tmp_path / "missing"])
-    with pytest.raises(CaptureError, match="no \\*.jsonl"):
+    with pytest.raises(CaptureError, match=r"no \*\.jsonl"):
         reconstruct([tmp_path])
     shutil.copy(__file__, tmp_path / "x.jsonl")  # not records at all: every line is corrupt, nothing is built
     df, stats = reconstruct([tmp_path])
@@ -203,19 +203,19 @@ def test_glued_lines_are_split_into_their_records(captures, reference, tmp_path)
     name, lines = _vllm_lines(captures)
     sessions = [json.loads(line)["session_id"] for line in lines]
     i = next(i for i in range(len(lines) - 1) if sessions[i] != sessions[i + 1])
-    whole = lines[:i] + [lines[i] + lines[i + 1]] + lines[i + 2 :]
+    whole = [*lines[:i], lines[i] + lines[i + 1], *lines[i + 2 :]]
     (tmp_path / "whole").mkdir()
     (tmp_path / "whole" / name).write_bytes(b"\n".join(whole) + b"\n")
     df, stats = reconstruct([tmp_path / "whole"])
     assert_frame_equal(df, reference[0])
     assert (stats.lines, stats.glued_lines, stats.corrupt_lines, stats.calls) == (len(lines) - 1, 1, 0, len(lines))
 
-    torn = lines[:i] + [lines[i][: len(lines[i]) // 2] + lines[i + 1]] + lines[i + 2 :]
+    torn = [*lines[:i], lines[i][: len(lines[i]) // 2] + lines[i + 1], *lines[i + 2 :]]
     (tmp_path / "torn").mkdir()
     (tmp_path / "torn" / name).write_bytes(b"\n".join(torn) + b"\n")
     df, stats = reconstruct([tmp_path / "torn"])
     assert (stats.glued_lines, stats.corrupt_lines, stats.calls) == (1, 1, len(lines) - 1)
-    session_of = {json.loads(line)["id"]: s for line, s in zip(lines, sessions)}
+    session_of = {json.loads(line)["id"]: s for line, s in zip(lines, sessions, strict=True)}
     lost = json.loads(lines[i])["id"]
     assert {e for ids in df["exchange_ids"] for e in ids} == set(session_of) - {lost}
     for session, ids in df.select("session_id", "exchange_ids").iter_rows():

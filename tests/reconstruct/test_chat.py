@@ -1,6 +1,7 @@
 """reconstruct/_chat.py: every real captured answer assembled, split at its network chunks and at awkward bytes;
 SGLang's shapes built from the same real answers (the reference server speaks vLLM's)."""
 
+import itertools
 import json
 import random
 
@@ -64,7 +65,7 @@ def test_the_fast_path_reads_the_chunk_around_the_prompt_ids_and_the_last_finish
         after = body[body.index("\n\n") : second] + body[second + len(first_token) + 2 :]  # the second chunk left out
         text = "data: " + json.dumps(merged_chunk) + after
         (fast,), asm = assemble(text, streamed=True)
-        (exact,), slow = assemble(text, streamed=True, fast=False)
+        (exact,), _ = assemble(text, streamed=True, fast=False)
         assert asm.path == "fast" and fast == exact and fast.finish_reason == exact.finish_reason
     early = body.replace('"finish_reason": null', '"finish_reason": "early"', 1)
     (fast,), asm = assemble(early, streamed=True)
@@ -94,7 +95,7 @@ def test_the_fast_path_steps_aside_when_it_cannot_be_sure(captures):
 
 def test_streamed_and_non_streamed_answers_assemble_alike(captures):
     streamed, plain = captures.records(S.streamed), captures.records(S.non_streamed)
-    for a, b in zip(streamed, plain):  # the same script, once streamed, once not
+    for a, b in zip(streamed, plain, strict=True):  # the same script, once streamed, once not
         (ca,), _ = assemble(a["response_body"], streamed=True)
         (cb,), _ = assemble(b["response_body"], streamed=False)
         strip = lambda m: {**m, "tool_calls": [{**c, "id": ""} for c in m["tool_calls"]]}  # noqa: E731 - ids are random
@@ -115,7 +116,9 @@ def test_split_at_the_network_chunks_and_at_every_awkward_byte(captures):
         sizes = [n for _, n in r["chunks"]]  # the proxy's record of how the bytes arrived
         assert sum(sizes) == len(body)
         cuts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-        assert assemble(body, streamed=r["streamed"], chunks=[body[a:b] for a, b in zip(cuts, cuts[1:])])[0] == want
+        assert (
+            assemble(body, streamed=r["streamed"], chunks=[body[a:b] for a, b in itertools.pairwise(cuts)])[0] == want
+        )
     # Inside multi-byte characters, inside the lifted prompt array, inside "\n\n", around "data:".
     (r,) = [r for r in captures.records(S.streamed) if "✓" in r["response_body"]]
     body = r["response_body"].encode()
@@ -144,7 +147,9 @@ def sglang_non_streamed(record):
     body = json.loads(record["response_body"])
     prompt = body.pop("prompt_token_ids")
     choice = body["choices"][0]
-    triples = [[t["logprob"], i, None] for t, i in zip(choice.pop("logprobs")["content"], choice["token_ids"])]
+    triples = [
+        [t["logprob"], i, None] for t, i in zip(choice.pop("logprobs")["content"], choice["token_ids"], strict=True)
+    ]
     choice.update(prompt_token_ids=prompt, meta_info={"id": "x", "output_token_logprobs": triples}, matched_stop=None)
     return json.dumps(body)
 
@@ -176,7 +181,7 @@ def test_ids_from_token_id_strings_when_the_ids_are_missing(captures):
     r = captures.records(S.non_streamed)[0]
     body = json.loads(r["response_body"])
     choice = body["choices"][0]
-    for entry, i in zip(choice["logprobs"]["content"], choice.pop("token_ids")):
+    for entry, i in zip(choice["logprobs"]["content"], choice.pop("token_ids"), strict=True):
         entry["token"] = f"token_id:{i}"  # vLLM's return_tokens_as_token_ids
     (c,), _ = assemble(json.dumps(body), streamed=False)
     assert tokens(c) == oracle(r)

@@ -44,7 +44,7 @@ def assert_faithful(traces, records):
     by_id = {r["id"]: r for r in records}
     for t in traces:
         assert len(t.response_ids) == len(t.loss_mask)
-        sampled = [i for i, m in zip(t.response_ids, t.loss_mask) if m]
+        sampled = [i for i, m in zip(t.response_ids, t.loss_mask, strict=True) if m]
         want_ids, want_logprobs, offset = [], [], 0
         for k, call in enumerate(t.calls):
             prompt, ids, logprobs = oracle(by_id[call.exchange_id])
@@ -60,8 +60,8 @@ def assert_faithful(traces, records):
         assert sampled == want_ids
         if t.logprobs is not None:
             assert len(t.logprobs) == len(t.response_ids)
-            assert [lp for lp, m in zip(t.logprobs, t.loss_mask) if m] == want_logprobs
-            assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.loss_mask) if not m)
+            assert [lp for lp, m in zip(t.logprobs, t.loss_mask, strict=True) if m] == want_logprobs
+            assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.loss_mask, strict=True) if not m)
     merged = sorted(c.exchange_id for t in traces for c in t.calls)
     assert merged == sorted(by_id)
 
@@ -132,17 +132,17 @@ P = [10, 11, 12]
 
 def test_identical_prompts_are_siblings_and_the_continued_one_keeps_the_chain():
     c0, c1 = call(0, P, [20, EOT]), call(1, P, [21, EOT])
-    continues_second = call(2, P + [21, EOT, 30, 31], [22, EOT])
+    continues_second = call(2, [*P, 21, EOT, 30, 31], [22, EOT])
     assert shape(merge([c0, c1, continues_second])) == [(["c0"], None), (["c1", "c2"], "sibling")]
-    continues_first = call(2, P + [20, EOT, 30, 31], [22, EOT])
+    continues_first = call(2, [*P, 20, EOT, 30, 31], [22, EOT])
     assert shape(merge([c0, c1, continues_first])) == [(["c0", "c2"], None), (["c1"], "sibling")]
 
 
 def test_a_fork_continues_along_the_larger_subtree_and_the_rest_is_emitted():
     c0 = call(0, P, [20, EOT])
-    c1 = call(1, P + [20, EOT, 30], [21, EOT])  # abandoned branch
-    c2 = call(2, P + [20, EOT, 30], [22, EOT])  # the branch the agent went on with
-    c3 = call(3, P + [20, EOT, 30, 22, EOT, 31], [23, EOT])
+    c1 = call(1, [*P, 20, EOT, 30], [21, EOT])  # abandoned branch
+    c2 = call(2, [*P, 20, EOT, 30], [22, EOT])  # the branch the agent went on with
+    c3 = call(3, [*P, 20, EOT, 30, 22, EOT, 31], [23, EOT])
     traces = merge([c3, c1, c0, c2])  # input order does not matter: calls are ordered by start
     assert shape(traces) == [(["c0", "c2", "c3"], None), (["c1"], "sibling")]
     assert traces[0].response_ids == [20, EOT, 30, 22, EOT, 31, 23, EOT]
@@ -153,13 +153,13 @@ def test_a_fork_continues_along_the_larger_subtree_and_the_rest_is_emitted():
 
 def test_drift_is_split_by_default_kept_when_asked_and_split_without_an_end_of_turn():
     c0 = call(0, P, [40, 41, 20, EOT])  # sampled "<think>…</think> answer"
-    c1 = call(1, P + [20, EOT, 30], [21, EOT])  # the next prompt re-rendered it without the thinking
+    c1 = call(1, [*P, 20, EOT, 30], [21, EOT])  # the next prompt re-rendered it without the thinking
     assert shape(merge([c0, c1])) == [(["c0"], None), (["c1"], "drift")]
     (kept,) = merge([c0, c1], on_drift="keep", eot_id=EOT)
     assert kept.drift_turns == [0] and kept.response_ids == [40, 41, 20, EOT, 30, 21, EOT]
     assert shape(merge([c0, c1], on_drift="keep", eot_id=None)) == [(["c0"], None), (["c1"], "drift")]
     cut = call(0, P, [40, 41], finish="length")  # no end-of-turn sampled: the template's is masked
-    (kept,) = merge([cut, call(1, P + [20, EOT, 30], [21, EOT])], on_drift="keep", eot_id=EOT)
+    (kept,) = merge([cut, call(1, [*P, 20, EOT, 30], [21, EOT])], on_drift="keep", eot_id=EOT)
     assert kept.response_ids == [40, 41, EOT, 30, 21, EOT] and kept.loss_mask == [1, 1, 0, 0, 1, 1]
 
 
@@ -168,14 +168,14 @@ def test_causes_of_roots_and_of_incomplete_or_mixed_calls():
     sub = call(1, [99, 11], [20, EOT], agent="B")
     rewritten = call(2, [10, 77], [20, EOT])
     assert [t.cause for t in merge([first, sub, rewritten])] == [None, "separate_agent", "prompt_rewritten"]
-    torn = call(1, P + [20, EOT, 30], [21], complete=False, finish=None)
-    retried = call(2, P + [20, EOT, 30], [21, EOT])
+    torn = call(1, [*P, 20, EOT, 30], [21], complete=False, finish=None)
+    retried = call(2, [*P, 20, EOT, 30], [21, EOT])
     assert shape(merge([first, torn, retried])) == [(["c0", "c2"], None), (["c1"], "incomplete")]
-    rebuilt = call(1, P + [20, EOT, 30], [21, EOT], source="retokenized", logprobs=False)
+    rebuilt = call(1, [*P, 20, EOT, 30], [21, EOT], source="retokenized", logprobs=False)
     traces = merge([first, rebuilt])
     assert shape(traces) == [(["c0"], None), (["c1"], "missing_ids")] and traces[1].logprobs is None
     # A call after one whose ids were lost still chains to the last captured prefix: the lost turn is masked.
-    after = call(2, P + [20, EOT, 30, 21, EOT, 31], [22, EOT])
+    after = call(2, [*P, 20, EOT, 30, 21, EOT, 31], [22, EOT])
     assert shape(merge([first, rebuilt, after])) == [(["c0", "c2"], None), (["c1"], "missing_ids")]
 
 

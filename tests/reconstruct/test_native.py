@@ -24,7 +24,8 @@ from tests.captures import read_records
 pytestmark = pytest.mark.slow
 
 SCRIPT = [
-    {"reasoning": "A shell command writes it.", "content": None, "tool_calls": [{"name": "run", "arguments": {"command": "echo hi > out.txt"}}]},
+    {"reasoning": "A shell command writes it.", "content": None,
+     "tool_calls": [{"name": "run", "arguments": {"command": "echo hi > out.txt"}}]},
     {"content": "Done: out.txt holds hi.", "tool_calls": []},
 ]  # fmt: skip
 
@@ -34,11 +35,13 @@ def chain(model_dir, tmp, *, translate_outer):
     """Reference server ← inner mitmdump (translating, records token ids) ← outer mitmdump (``polar_translate``
     as given). Yields (outer proxy, outer captures, inner captures)."""
     (tmp / "script.json").write_text(json.dumps(SCRIPT))
-    with ReferenceServer(model_dir, script=tmp / "script.json", log=tmp / "server.log") as server:
-        with Mitmdump(server.url, tmp / "inner", log=tmp / "inner.log", polar_model="tiny") as inner:
-            outer_upstream = inner.url if translate_outer == "never" else server.url
-            with Mitmdump(outer_upstream, tmp / "outer", log=tmp / "outer.log", polar_translate="never") as outer:
-                yield outer, tmp / "outer", tmp / "inner"
+    with (
+        ReferenceServer(model_dir, script=tmp / "script.json", log=tmp / "server.log") as server,
+        Mitmdump(server.url, tmp / "inner", log=tmp / "inner.log", polar_model="tiny") as inner,
+    ):
+        outer_upstream = inner.url if translate_outer == "never" else server.url
+        with Mitmdump(outer_upstream, tmp / "outer", log=tmp / "outer.log", polar_translate="never") as outer:
+            yield outer, tmp / "outer", tmp / "inner"
 
 
 def by_session(df):
@@ -94,12 +97,14 @@ def responses_session(client, *, stream):
 
 def test_vllm_responses_passthrough_keeps_the_servers_token_ids(tiny_model_dir, tmp_path):
     (tmp_path / "script.json").write_text(json.dumps(SCRIPT))
-    with ReferenceServer(tiny_model_dir, script=tmp_path / "script.json", log=tmp_path / "server.log") as server:
-        with Mitmdump(server.url, tmp_path / "captures", log=tmp_path / "mitm.log", polar_translate="never") as mitm:
-            for session, stream in (("resp-streamed", True), ("resp-plain", False)):
-                client = openai.OpenAI(base_url=f"{mitm.url}/v1", api_key=session, max_retries=0, timeout=60)
-                responses_session(client, stream=stream)
-            records = read_records(tmp_path / "captures", expect=4)
+    with (
+        ReferenceServer(tiny_model_dir, script=tmp_path / "script.json", log=tmp_path / "server.log") as server,
+        Mitmdump(server.url, tmp_path / "captures", log=tmp_path / "mitm.log", polar_translate="never") as mitm,
+    ):
+        for session, stream in (("resp-streamed", True), ("resp-plain", False)):
+            client = openai.OpenAI(base_url=f"{mitm.url}/v1", api_key=session, max_retries=0, timeout=60)
+            responses_session(client, stream=stream)
+        records = read_records(tmp_path / "captures", expect=4)
     assert {r["api"] for r in records} == {"responses"}
     for r in records:  # the client's include list was extended, so the whole body sent upstream is kept
         assert r["injected"]["enable_response_messages"] is True and "input" in r["upstream_request"]
@@ -112,7 +117,7 @@ def test_vllm_responses_passthrough_keeps_the_servers_token_ids(tiny_model_dir, 
         sampled = [i for f in finals for i in f["output_messages"][0]["tokens"]]
         (trace,) = rows.iter_rows(named=True)  # the second call extends the first, token for token
         assert trace["prompt_ids"] == finals[0]["input_messages"][0]["tokens"]
-        assert [t for t, m in zip(trace["response_ids"], trace["loss_mask"]) if m] == sampled
+        assert [t for t, m in zip(trace["response_ids"], trace["loss_mask"], strict=True) if m] == sampled
         assert trace["token_source"] == "captured" and trace["n_calls"] == 2 and trace["api"] == "responses"
         assert json.loads(trace["messages"])["messages"][-1]["content"] == "Done: out.txt holds hi."
 

@@ -51,7 +51,7 @@ def test_byte_by_byte_and_random_splits():
     rng = random.Random(0)
     for _ in range(200):
         cuts = sorted(rng.sample(range(1, len(data)), 5))
-        chunks = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
+        chunks = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
         assert feed(chunks) == (EVENTS, False), cuts
 
 

@@ -27,9 +27,9 @@ def test_any_server_spacing_gives_one_canonical_form(text):
 
 
 def test_bad_arrays_are_refused():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="not a JSON array"):
         TokenText.from_json('{"a": 1}')
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="something other than token ids"):
         TokenText.from_json("[1, 2.5, 3]").ids()
 
 

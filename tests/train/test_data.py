@@ -58,7 +58,7 @@ def test_no_rewards_no_tasks_and_inconsistent_sessions_are_refused(tmp_path):
         data.load([write(tmp_path / "a.parquet", [trace(reward=None), trace(session="s1", reward=None)])])
     with pytest.raises(data.DataError, match="no task ids"):
         data.load([write(tmp_path / "b.parquet", [trace(task=None)])])
-    with pytest.raises(data.DataError, match="session 's0'.*disagree"):
+    with pytest.raises(data.DataError, match=r"session 's0'.*disagree"):
         data.load([write(tmp_path / "c.parquet", [trace(reward=1.0), trace(reward=0.0, chain=1)])])
     with pytest.raises(data.DataError, match=r"row 1 \(session 's1'\): reward nan"):
         data.load([write(tmp_path / "d.parquet", [trace(), trace(session="s1", reward=float("nan"))])])
@@ -108,7 +108,7 @@ def test_make_traces_truncates_causally_and_counts_what_it_skips(tmp_path):
 def test_plan_steps_keeps_groups_whole_in_a_seeded_partition():
     groups = [[0, 1, 2], [3, 4], [5, 6, 7, 8], [9], [10, 11]]
     plan = data.plan_steps(groups, 2, seed=3)
-    assert len(plan) == 3 and sorted(sum(plan, [])) == list(range(12))
+    assert len(plan) == 3 and sorted(i for step in plan for i in step) == list(range(12))
     for step in plan:  # each group lies wholly inside one step, in its own order
         assert all(set(g) <= set(step) or not set(g) & set(step) for g in groups)
     assert plan == data.plan_steps(groups, 2, seed=3)
@@ -132,7 +132,7 @@ def test_every_steps_advantages_sum_to_zero():
 def test_pack_fills_bins_up_to_the_budget():
     lengths = [5, 3, 8, 2, 2, 7, 1]
     bins = data.pack(lengths, budget=8)
-    assert sorted(sum(bins, [])) == list(range(len(lengths)))
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in b) <= 8 for b in bins)
     assert len(bins) == 4  # 28 tokens: 4 bins of 8 is the minimum
     with pytest.raises(ValueError, match="over the budget"):
@@ -143,7 +143,7 @@ def test_balance_gives_every_rank_the_same_number_of_passes():
     ranks = data.balance([8, 7, 5, 2, 1], world=2)
     assert [len(r) for r in ranks] == [3, 3]
     real = [[b for b in r if b is not None] for r in ranks]
-    assert sorted(sum(real, [])) == [0, 1, 2, 3, 4]
+    assert sorted(b for r in real for b in r) == [0, 1, 2, 3, 4]
     loads = [sum([8, 7, 5, 2, 1][b] for b in r) for r in real]
     assert max(loads) - min(loads) <= 3
     assert data.balance([4], world=3) == [[0], [None], [None]]

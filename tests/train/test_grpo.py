@@ -22,18 +22,18 @@ PEFT_WARNING = "ignore:.*is_gradient_checkpointing:FutureWarning"  # peft reads 
 
 def make_config(tmp_path, model_dir, rows, **overrides) -> grpo.Config:
     path = write(tmp_path / "trajectories.parquet", rows) if rows is not None else tmp_path / "trajectories.parquet"
-    values = dict(
-        trajectories=(path,),
-        model=str(model_dir),
-        output=tmp_path / "out",
-        max_len=48,
-        micro_batch_tokens=48,
-        groups_per_step=2,
-        lr=1e-2,
-        lora_r=4,
-        lora_alpha=8,
-        save_every=0,
-    )
+    values = {
+        "trajectories": (path,),
+        "model": str(model_dir),
+        "output": tmp_path / "out",
+        "max_len": 48,
+        "micro_batch_tokens": 48,
+        "groups_per_step": 2,
+        "lr": 1e-2,
+        "lora_r": 4,
+        "lora_alpha": 8,
+        "save_every": 0,
+    }
     return grpo.Config(**{**values, **overrides})
 
 

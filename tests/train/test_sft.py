@@ -3,6 +3,7 @@
 configuration and bad input."""
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -27,17 +28,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def make_config(tmp_path, model_dir, rows, **overrides) -> sft.Config:
     path = write(tmp_path / "trajectories.parquet", rows) if rows is not None else tmp_path / "trajectories.parquet"
-    values = dict(
-        trajectories=(path,),
-        model=str(model_dir),
-        output=tmp_path / "out",
-        max_len=48,
-        micro_batch_tokens=48,
-        sessions_per_step=4,
-        lr=1e-2,
-        lora_r=4,
-        lora_alpha=8,
-    )
+    values = {
+        "trajectories": (path,),
+        "model": str(model_dir),
+        "output": tmp_path / "out",
+        "max_len": 48,
+        "micro_batch_tokens": 48,
+        "sessions_per_step": 4,
+        "lr": 1e-2,
+        "lora_r": 4,
+        "lora_alpha": 8,
+    }
     return sft.Config(**{**values, **overrides})
 
 
@@ -354,14 +355,14 @@ def test_yaml_config_then_flags(tmp_path):
     path.write_text("sessions_per_stp: 4\n")
     with pytest.raises(grpo.ConfigError, match="sessions_per_stp"):
         sft.parse(["--config", str(path)])
-    with pytest.raises(grpo.ConfigError, match="missing.yaml"):
+    with pytest.raises(grpo.ConfigError, match=r"missing\.yaml"):
         sft.parse(["--config", str(tmp_path / "missing.yaml")])
 
 
 def test_lr_warms_up_then_decays_to_its_floor():
     factors = [sft.lr_factor(s, 10, warmup_steps=2, min_lr_frac=0.1) for s in range(10)]
     assert factors[:3] == pytest.approx([1 / 3, 2 / 3, 1.0]) and factors[-1] == pytest.approx(0.1)
-    assert all(a >= b for a, b in zip(factors[2:], factors[3:], strict=False))
+    assert all(a >= b for a, b in itertools.pairwise(factors))
     assert sft.lr_factor(0, 1, warmup_steps=0, min_lr_frac=0.1) == 1.0  # one step: the peak
 
 
@@ -374,7 +375,7 @@ def test_bad_input_and_outputs_are_refused(tmp_path, tiny_model_dir):
     with pytest.raises(grpo.ConfigError, match="not empty"):
         sft.main(cfg)
     only_context = make_config(tmp_path / "b", tiny_model_dir, [trace(mask=[0, 0, 0])])
-    with pytest.raises(data.DataError, match="no trace with a taught token.*'nothing_trained': 1"):
+    with pytest.raises(data.DataError, match=r"no trace with a taught token.*'nothing_trained': 1"):
         sft.main(only_context)
 
 

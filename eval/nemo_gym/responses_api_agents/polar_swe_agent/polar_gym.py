@@ -162,9 +162,9 @@ def output_items(trace: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
     if len(calls) != trace["n_calls"] or len(assistant_at) != len(calls):
         return [], False
     items: list[dict[str, Any]] = []
-    for n, ((prompt, generation, logprobs), at) in enumerate(zip(calls, assistant_at)):
+    for n, ((prompt, generation, logprobs), at) in enumerate(zip(calls, assistant_at, strict=True)):
         call_items = _items_of_call(n, conversation[at])
-        call_items[-1] |= dict(zip(TRIPLE, (prompt, generation, logprobs)))
+        call_items[-1] |= dict(zip(TRIPLE, (prompt, generation, logprobs), strict=True))
         items += call_items
         for message in conversation[at + 1 : assistant_at[n + 1] if n + 1 < len(calls) else None]:
             if message.get("role") == "tool":  # other messages between calls are in the next prompt's ids only
