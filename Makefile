@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-fast check bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,16 @@ demo: $(STAMP)
 # Two workers, a test file each at a time (its module fixtures, servers and proxies, stay in one worker).
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadfile
+
+# The edit loop: the tests not marked slow (no real processes or models), in under 2 minutes.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not slow"
+
+# The gates, fast, before the tests: ruff's format (check only) and lint, mypy (strict on addon/ and reconstruct/).
+check: $(STAMP)
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # Benchmarks, not tests: each prints a table and writes tests/bench/results/<name>.md and .json.
 bench: $(STAMP)
