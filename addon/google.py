@@ -180,7 +180,7 @@ def _texts(parts: list[dict[str, Any]]) -> str:
 def _model_message(parts: list[dict[str, Any]], index: int) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     """The assistant message for one model turn, and its calls awaiting a response."""
     signed: list[str] = []
-    thoughts, calls = "", []
+    thoughts, calls = "", list[dict[str, Any]]()
     for part in parts:
         decoded = read_signature(part.get("thoughtSignature"))  # anyone else's signature: dropped
         if decoded is not None and decoded not in signed:

@@ -192,7 +192,8 @@ def _parse_event(event: bytes) -> dict[str, Any] | None:
     data = b"".join(line[5:].lstrip(b" ") for line in event.splitlines() if line.startswith(b"data:"))
     if not data or data == b"[DONE]":
         return None
-    return json.loads(data)
+    event_body: dict[str, Any] = json.loads(data)  # every event the APIs stream is a JSON object
+    return event_body
 
 
 def sse(event: str | None, payload: dict[str, Any]) -> bytes:

@@ -46,7 +46,8 @@ def install() -> None:
         status = 504 if "timed out" in message.lower() or "timeout" in message.lower() else status_code
         response = json_response(status, any_api_error(status, message or "proxy error"))
         response.headers["connection"] = "close"
-        return http1.assemble_response(response)
+        data: bytes = http1.assemble_response(response)
+        return data
 
     make_error_response.polar = True  # type: ignore[attr-defined]
     _http1.make_error_response = make_error_response

@@ -259,6 +259,8 @@ def _assistant(content: str | None, reasoning: str | None) -> dict[str, Any]:
 
 
 def _tool_call(item: dict[str, Any]) -> dict[str, Any]:
+    name: str | None
+    arguments: str | None
     if item["type"] == "local_shell_call":
         action = {k: v for k, v in (item.get("action") or {}).items() if k != "type"}
         name, arguments = LOCAL_SHELL, json.dumps(action, ensure_ascii=False)

@@ -173,7 +173,8 @@ def translate_answer(flow: http.HTTPFlow, ex: Exchange, translation: native.Tran
 def error_body(api: str, status: int, message: str) -> dict[str, Any]:
     """An error body in the shape of the client's API."""
     if api in NATIVE:
-        return NATIVE[api].error_body(status, message)
+        body: dict[str, Any] = NATIVE[api].error_body(status, message)
+        return body
     return chat.error_body(status, message)
 
 
@@ -181,10 +182,10 @@ def upstream_message(body: Any, response: http.Response) -> str:
     """The error message of an upstream answer, whatever its shape."""
     if isinstance(body, dict):
         error = body.get("error", body)
-        if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return error["message"]
-        if isinstance(body.get("message"), str):
-            return body["message"]
+        if isinstance(error, dict) and isinstance(message := error.get("message"), str):
+            return message
+        if isinstance(message := body.get("message"), str):
+            return message
     return (response.get_text(strict=False) or "")[:2000] or f"upstream answered {response.status_code}"
 
 

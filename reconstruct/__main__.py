@@ -182,7 +182,9 @@ def audit(config: Audit) -> None:
     df = schema.read(config.file, columns=["prompt_ids", "response_ids", "loss_mask", "logprobs"])
     if config.max_traces is not None:
         df = df.head(config.max_traces)
-    model = AutoModelForCausalLM.from_pretrained(config.model, dtype=getattr(torch, config.dtype)).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(config.model, dtype=getattr(torch, config.dtype))
+    # transformers types .to() through a decorator that drops the bound self: any argument is "not a model".
+    model = model.to(device).eval()  # type: ignore[arg-type]
     bar = lambda rows: tqdm(rows, total=df.height, disable=None)  # noqa: E731
     report = run_audit(df, model, threshold=config.threshold, chunk=config.chunk, progress=bar)
     console.print(report.table())

@@ -303,7 +303,7 @@ def _full_choice(raw: dict[str, Any]) -> _Choice:
             choice.ids = [t[1] for t in triples]
         if len(choice.logprobs) != len(choice.ids):
             choice.logprobs = [t[0] for t in triples]
-    message = raw.get("message") if isinstance(raw.get("message"), dict) else {}
+    message = m if isinstance(m := raw.get("message"), dict) else {}
     calls = []
     for call in message.get("tool_calls") or []:
         if isinstance(call, dict):

@@ -66,8 +66,8 @@ def _was_translated(record: dict[str, Any]) -> bool:
     """Whether the native call went upstream as Chat Completions: the record says so (a head field: no body is
     parsed); older records tell by their upstream body (Anthropic bodies have ``messages`` too, so the client's
     request alone proves nothing, and a passed-through call can have an upstream body of its own API)."""
-    if isinstance(record.get("translated"), bool):
-        return record["translated"]
+    if isinstance(translated := record.get("translated"), bool):
+        return translated
     if not has_upstream_request(record):
         return False
     body = record.get("upstream_request")
@@ -200,8 +200,8 @@ def _failed(record: dict[str, Any], problem: str, detail: str) -> Call:
 
 
 def _response_text(record: dict[str, Any]) -> str | None:
-    if isinstance(record.get("response_body"), str):
-        return record["response_body"]
+    if isinstance(body := record.get("response_body"), str):
+        return body
     if isinstance(record.get("response_b64"), str):  # not UTF-8: torn inside a character, most likely
         return base64.b64decode(record["response_b64"]).decode("utf-8", "replace")
     return None

@@ -152,6 +152,9 @@ class CaptureIndex:
 
     def _add(self, number: int, offset: int, length: int, head: bytes) -> None:
         found = parse_head(head)
+        version: int | None
+        record_id: str | None
+        session: str | None
         if found is not None:
             version, record_id, session = found.version, found.id, found.session_id
         else:  # not the writer's usual layout: parse the whole line for its session
@@ -279,7 +282,8 @@ def read_sessions(path: Path) -> dict[str, tuple[str | None, int | None]]:
         raise ConfigError(f"{path}: not a readable Parquet sessions table: {e}") from e
     if "session_id" not in columns or "task_id" not in columns:
         raise ConfigError(f"{path}: a sessions table needs session_id and task_id columns, it has {list(columns)}")
-    df = pl.read_parquet(path, columns=[c for c in ("session_id", "task_id", "sample_id") if c in columns])
+    wanted: list[str] = [c for c in ("session_id", "task_id", "sample_id") if c in columns]
+    df = pl.read_parquet(path, columns=wanted)
     if df["session_id"].is_duplicated().any():
         raise ConfigError(f"{path}: a session_id appears more than once")
     samples = df["sample_id"].cast(pl.Int32).to_list() if "sample_id" in df.columns else [None] * df.height

@@ -130,7 +130,7 @@ def _responses_answer(text: str, streamed: bool) -> dict[str, Any] | None:
             calls.append(_call(item.get("call_id"), item.get("name"), item.get("arguments")))
     incomplete = response.get("status") == "incomplete"
     finish = "length" if incomplete else "tool_calls" if calls else "stop"
-    usage = response.get("usage") if isinstance(response.get("usage"), dict) else {}
+    usage = u if isinstance(u := response.get("usage"), dict) else {}
     counts = {"prompt_tokens": usage.get("input_tokens"), "completion_tokens": usage.get("output_tokens")}
     body = _completion(_message(content, reasoning, calls), finish, counts, response.get("model"))
     prompt, sampled = _raw_tokens(response.get("input_messages")), _raw_tokens(response.get("output_messages"))
@@ -187,7 +187,7 @@ def _anthropic_answer(text: str, streamed: bool) -> dict[str, Any] | None:
             reasoning.append(block.get("thinking") or "")
         elif kind == "tool_use":
             calls.append(_call(block.get("id"), block.get("name"), block.get("input")))
-    usage = message.get("usage") if isinstance(message.get("usage"), dict) else {}
+    usage = u if isinstance(u := message.get("usage"), dict) else {}
     counts = {"prompt_tokens": usage.get("input_tokens"), "completion_tokens": usage.get("output_tokens")}
     finish = _ANTHROPIC_FINISH.get(str(message.get("stop_reason")))
     return _completion(_message(content, reasoning, calls), finish, counts, message.get("model"))
@@ -249,7 +249,8 @@ def _google_answer(text: str, streamed: bool) -> dict[str, Any] | None:
     reasoning: list[str] = []
     signed: list[str] = []  # reasoning the addon signed into thoughtSignature (Google's own are opaque)
     calls: list[dict[str, Any]] = []
-    finish, usage, model, seen = None, {}, None, False
+    usage: dict[str, Any] = {}
+    finish, model, seen = None, None, False
     for chunk in chunks:
         if not isinstance(chunk, dict):
             continue

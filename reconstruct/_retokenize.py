@@ -30,7 +30,7 @@ class Retokenizer:
         self, messages: list[Any], tools: list[Any] | None, kwargs: dict[str, Any] | None, *, generation_prompt: bool
     ) -> str:
         try:
-            return self.tokenizer.apply_chat_template(
+            text: str = self.tokenizer.apply_chat_template(  # tokenize=False: the rendered string
                 template_messages(messages),
                 tools=tools or None,
                 add_generation_prompt=generation_prompt,
@@ -39,6 +39,7 @@ class Retokenizer:
             )
         except Exception as e:  # jinja2 errors, template-raised exceptions, bad message shapes
             raise RetokenizeError(f"the chat template cannot render this call: {type(e).__name__}: {e}") from e
+        return text
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))

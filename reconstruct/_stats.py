@@ -108,7 +108,7 @@ def file_stats(df: pl.DataFrame, saved: Stats | None) -> Stats:
     stats.sessions = df["session_id"].n_unique()
     stats.traces = df.height
     stats.merged_calls = int(df["n_calls"].sum() or 0)
-    stats.max_calls_per_trace = int(df["n_calls"].max() or 0) if df.height else 0
+    stats.max_calls_per_trace = int(df.select(pl.col("n_calls").max()).item() or 0) if df.height else 0
     stats.tokens_prompt = int(df["prompt_ids"].list.len().sum() or 0)
     stats.tokens_trainable = int(mask_sum.sum() or 0)
     stats.tokens_masked = int(df["response_ids"].list.len().sum() or 0) - stats.tokens_trainable

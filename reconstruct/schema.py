@@ -36,29 +36,29 @@ VERSION_KEY = "polar.trajectory.version"
 SCHEMA = pl.Schema(
     {
         # Identity
-        "trace_id": pl.String,  # "<session_id>/<chain_index>": unique in a file
-        "session_id": pl.String,  # from the capture record
-        "task_id": pl.String,  # null unless a sessions table maps the session to a task
-        "sample_id": pl.Int32,  # which attempt at the task; null without a sessions table
-        "chain_index": pl.Int32,  # 0, 1, ... per session, in order of the chain's first call
+        "trace_id": pl.String(),  # "<session_id>/<chain_index>": unique in a file
+        "session_id": pl.String(),  # from the capture record
+        "task_id": pl.String(),  # null unless a sessions table maps the session to a task
+        "sample_id": pl.Int32(),  # which attempt at the task; null without a sessions table
+        "chain_index": pl.Int32(),  # 0, 1, ... per session, in order of the chain's first call
         # Tokens: all three lists below have one entry per response token
         "prompt_ids": pl.List(pl.Int32),  # the first call's prompt, never trained on
         "response_ids": pl.List(pl.Int32),  # a1 ‖ u1 ‖ a2 ‖ ... ‖ aK (sampled a, interstitial u)
         "loss_mask": pl.List(pl.Int8),  # 1 on sampled tokens, 0 on interstitial ones
         "logprobs": pl.List(pl.Float32),  # sampling log-prob on mask-1 tokens, 0.0 on mask-0 ones;
         #   null when any sampled token has none (retokenized traces: the trainer recomputes them)
-        "token_source": pl.String,  # "captured" (ids from the upstream) | "retokenized"
+        "token_source": pl.String(),  # "captured" (ids from the upstream) | "retokenized"
         # Provenance
-        "n_calls": pl.Int32,  # model calls merged into this trace
+        "n_calls": pl.Int32(),  # model calls merged into this trace
         "exchange_ids": pl.List(pl.String),  # their capture record ids, in order
-        "finish_reason": pl.String,  # of the last call: stop | length | tool_calls | ...; null if unknown
+        "finish_reason": pl.String(),  # of the last call: stop | length | tool_calls | ...; null if unknown
         "drift_turns": pl.List(pl.Int32),  # call positions in this trace whose next prompt re-rendered
         #   the sampled turn differently (merged anyway under --on-drift keep)
-        "model": pl.String,  # model name the client asked for
-        "api": pl.String,  # wire API of the calls: chat | anthropic | responses | google
-        "messages": pl.String,  # the conversation as JSON text (last call's request + its answer)
+        "model": pl.String(),  # model name the client asked for
+        "api": pl.String(),  # wire API of the calls: chat | anthropic | responses | google
+        "messages": pl.String(),  # the conversation as JSON text (last call's request + its answer)
         # Filled by evaluation
-        "reward": pl.Float64,  # null until rewards are joined
+        "reward": pl.Float64(),  # null until rewards are joined
     }
 )
 
