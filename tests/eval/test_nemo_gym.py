@@ -228,6 +228,7 @@ def gym_python() -> Path:
     pytest.skip(f"no nemo-gym virtualenv, so Gym's own models are not checked; make it with: {HOW_TO_INSTALL}")
 
 
+@pytest.mark.slow
 def test_gym_models_accept_the_rows_and_rollouts():
     python = gym_python()
     done = subprocess.run([python, "check_gym.py"], cwd=AGENT, capture_output=True, text=True, timeout=120)

@@ -12,6 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from eval.toolparse import Content, OutputParser, Reasoning
 from tests import http
 
+pytestmark = pytest.mark.slow  # reference servers (python -m eval.serve) per module
+
 TOOLS = [
     {
         "type": "function",

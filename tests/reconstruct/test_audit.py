@@ -7,6 +7,8 @@ from transformers import AutoModelForCausalLM
 
 from reconstruct import audit, reconstruct, score_trace
 
+pytestmark = pytest.mark.slow  # the captures fixture: a reference server and two mitmdumps
+
 
 @pytest.fixture(scope="module")
 def model(captures):

@@ -50,6 +50,7 @@ def built(folder, captures, tokenizer):
     return reconstruct([folder, captures.plain_dir], tokenizer=tokenizer)
 
 
+@pytest.mark.slow
 def test_stats_count_everything(built, tokenizer):
     df, stats = built
     assert (stats.files, stats.lines, stats.corrupt_lines, stats.torn_lines) == (3, 34, 1, 1)
@@ -69,6 +70,7 @@ def test_stats_count_everything(built, tokenizer):
     assert stats.tokens_prompt == df["prompt_ids"].list.len().sum() and stats.max_calls_per_trace == 3
 
 
+@pytest.mark.slow
 def test_every_row_is_faithful_and_no_call_is_missing(built, captures):
     df, _ = built
     records = {r["id"]: r for r in captures.records()}
@@ -96,6 +98,7 @@ def test_every_row_is_faithful_and_no_call_is_missing(built, captures):
     assert dict(calls.iter_rows()) == EXPECTED_CALLS
 
 
+@pytest.mark.slow
 def test_the_file_is_atomic_deterministic_and_keeps_its_stats(built, folder, captures, tokenizer, tmp_path):
     df, stats = built
     a = write_trajectories(df, stats, tmp_path / "a" / "trajectories.parquet")
@@ -119,6 +122,7 @@ def test_worker_processes_build_the_same_file(built, folder, captures, tokenizer
         reconstruct([folder], jobs=0)
 
 
+@pytest.mark.slow
 def test_shards_partition_the_sessions(built, folder, captures, tokenizer):
     df, _ = built
     parts = [reconstruct([folder, captures.plain_dir], tokenizer=tokenizer, shard=(i, 3))[0] for i in range(3)]
@@ -130,6 +134,7 @@ def test_shards_partition_the_sessions(built, folder, captures, tokenizer):
             parse_shard(bad)
 
 
+@pytest.mark.slow
 def test_sessions_table_fills_task_and_sample(folder, captures, tokenizer, tmp_path):
     table = pl.DataFrame(
         {"session_id": [S.retry, S.subagents], "task_id": ["t1", "t2"], "sample_id": [0, 3], "harness": ["pi", "qwen"]}
@@ -152,12 +157,14 @@ def test_sessions_table_fills_task_and_sample(folder, captures, tokenizer, tmp_p
         read_sessions(tmp_path / "twice.parquet")
 
 
+@pytest.mark.slow
 def test_without_a_tokenizer_plain_calls_are_dropped_and_counted(folder, captures):
     df, stats = reconstruct([folder, captures.plain_dir])
     assert stats.dropped == {"missing_ids": 6} and stats.calls == 31 and stats.merged_calls == 25
     assert set(df["token_source"]) == {"captured"} and stats.eot_id is None
 
 
+@pytest.mark.slow
 def test_per_request_and_keep_modes(folder, tokenizer):
     df, stats = reconstruct([folder], tokenizer=tokenizer, mode="per-request")
     assert df.height == stats.traces == 25 and set(df["n_calls"]) == {1} and sum(stats.breaks.values()) == 0
@@ -188,6 +195,7 @@ def reference(captures):
     return reconstruct([captures.vllm_dir])
 
 
+@pytest.mark.slow
 def test_a_copied_capture_file_is_read_once(captures, reference, tmp_path):
     name, lines = _vllm_lines(captures)
     shutil.copy(captures.vllm_dir / name, tmp_path / name)
@@ -197,6 +205,7 @@ def test_a_copied_capture_file_is_read_once(captures, reference, tmp_path):
     assert (stats.lines, stats.duplicate_records, stats.calls) == (2 * len(lines), len(lines), reference[1].calls)
 
 
+@pytest.mark.slow
 def test_glued_lines_are_split_into_their_records(captures, reference, tmp_path):
     """A record appended to a line that never got its newline (a writer killed mid-line, then restarted): whole,
     both records count; torn, the torn one is corrupt and the other is read. A trace never mixes sessions."""
@@ -222,6 +231,7 @@ def test_glued_lines_are_split_into_their_records(captures, reference, tmp_path)
         assert {session_of[e] for e in ids} == {session}
 
 
+@pytest.mark.slow
 def test_nan_and_infinity_in_request_bodies_are_read_as_the_upstream_reads_them(captures, reference, tmp_path):
     """Python's json.dumps writes NaN and Infinity, vLLM reads them: the request (messages, tools, model) is kept."""
     name, lines = _vllm_lines(captures)
@@ -236,6 +246,7 @@ def test_nan_and_infinity_in_request_bodies_are_read_as_the_upstream_reads_them(
     assert stats.unreadable_bodies == 0 and df["model"].null_count() == 0
 
 
+@pytest.mark.slow
 def test_request_bodies_that_do_not_parse_are_counted(captures, reference, tmp_path):
     """The head parses, the bodies do not: the answer's tokens are kept, and each lost request is counted."""
     name, lines = _vllm_lines(captures)

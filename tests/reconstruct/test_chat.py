@@ -27,6 +27,7 @@ def vllm_records(captures):
     return [r for r in captures.records() if r["upstream"] == "vllm"]
 
 
+@pytest.mark.slow
 def test_every_captured_answer_gives_the_upstream_tokens(captures):
     records = vllm_records(captures)
     assert {r["streamed"] for r in records} == {True, False}
@@ -40,6 +41,7 @@ def test_every_captured_answer_gives_the_upstream_tokens(captures):
             assert c.finish_reason == json.loads(r["response_body"])["choices"][0]["finish_reason"]
 
 
+@pytest.mark.slow
 def test_the_stream_fast_path_reads_exactly_what_the_exact_path_reads(captures):
     streams = [r for r in vllm_records(captures) if r["streamed"]]
     for r in streams:
@@ -49,6 +51,7 @@ def test_the_stream_fast_path_reads_exactly_what_the_exact_path_reads(captures):
         assert fast == exact and asm.usage == slow.usage and asm.model == slow.model
 
 
+@pytest.mark.slow
 def test_the_fast_path_reads_the_chunk_around_the_prompt_ids_and_the_last_finish_reason(captures):
     # The fast path scans the text around the prompt array in place: a token in the chunk that carries the
     # prompt ids (before and after the array) must count, as must a finish reason sent before the last chunk.
@@ -73,6 +76,7 @@ def test_the_fast_path_reads_the_chunk_around_the_prompt_ids_and_the_last_finish
     assert asm.path == "fast" and fast.finish_reason == exact.finish_reason
 
 
+@pytest.mark.slow
 def test_the_fast_path_steps_aside_when_it_cannot_be_sure(captures):
     (r,) = captures.records(S.streamed)[:1]
     body = r["response_body"]
@@ -93,6 +97,7 @@ def test_the_fast_path_steps_aside_when_it_cannot_be_sure(captures):
     assert tokens(c) == oracle(r)
 
 
+@pytest.mark.slow
 def test_streamed_and_non_streamed_answers_assemble_alike(captures):
     streamed, plain = captures.records(S.streamed), captures.records(S.non_streamed)
     for a, b in zip(streamed, plain, strict=True):  # the same script, once streamed, once not
@@ -109,6 +114,7 @@ def test_streamed_and_non_streamed_answers_assemble_alike(captures):
         np.testing.assert_allclose(ca.logprobs, cb.logprobs, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_split_at_the_network_chunks_and_at_every_awkward_byte(captures):
     for r in vllm_records(captures):
         body = r["response_body"].encode()
@@ -132,6 +138,7 @@ def test_split_at_the_network_chunks_and_at_every_awkward_byte(captures):
         assert assemble(body, streamed=True, chunks=[body[:i], body[i:]])[0] == want, i
 
 
+@pytest.mark.slow
 def test_torn_stream_keeps_the_tokens_that_arrived(captures):
     r = captures.records(S.streamed)[0]
     body = r["response_body"]
@@ -166,6 +173,7 @@ def sglang_streamed(record, *, framed):
     return "".join(blocks) + "data: [DONE]\n\n"
 
 
+@pytest.mark.slow
 def test_sglang_shapes(captures):
     for r in vllm_records(captures):
         if r["streamed"]:
@@ -177,6 +185,7 @@ def test_sglang_shapes(captures):
             assert tokens(c) == oracle(r)
 
 
+@pytest.mark.slow
 def test_ids_from_token_id_strings_when_the_ids_are_missing(captures):
     r = captures.records(S.non_streamed)[0]
     body = json.loads(r["response_body"])

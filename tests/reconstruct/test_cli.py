@@ -10,6 +10,7 @@ from reconstruct import schema
 from reconstruct.__main__ import main
 
 
+@pytest.mark.slow
 def test_build_stats_audit(captures, tmp_path, capsys):
     out = tmp_path / "t.parquet"
     argv = [str(captures.vllm_dir), str(captures.plain_dir), "-o", str(out), "--tokenizer", str(captures.model_dir)]
@@ -55,6 +56,7 @@ def test_python_m_reconstruct(captures, tmp_path):
     assert schema.read(out).height == 25 and "25 (per-request" in done.stderr
 
 
+@pytest.mark.slow
 def test_no_usable_record_exits_non_zero_and_writes_nothing(captures, tmp_path, capsys):
     """Issue 16: a folder of garbage is an error, not an empty table; so are calls that all lack token ids."""
     (tmp_path / "garbage").mkdir()

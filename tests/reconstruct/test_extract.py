@@ -16,6 +16,7 @@ def retokenizer(captures):
     return Retokenizer(AutoTokenizer.from_pretrained(captures.model_dir))
 
 
+@pytest.mark.slow
 def test_captured_call_fields(captures):
     record = captures.records(S.streamed)[0]
     (c,) = extract(record, None)
@@ -33,6 +34,7 @@ def test_captured_call_fields(captures):
     assert json.loads(c.answer["tool_calls"][0]["function"]["arguments"]) == {"command": "ls"}
 
 
+@pytest.mark.slow
 def test_plain_records_need_a_tokenizer(captures, retokenizer):
     record = captures.records(S.plain_non_streamed)[0]
     (c,) = extract(record, None)
@@ -52,12 +54,14 @@ def without_ids(record):
     return {**record, "response_body": json.dumps(body)}
 
 
+@pytest.mark.slow
 def test_a_turn_cut_by_max_tokens_retokenizes_to_the_sampled_count(captures, retokenizer):
     record = captures.records(S.max_tokens)[0]
     (c,) = extract(without_ids(record), retokenizer)
     assert c.finish_reason == "length" and c.output_ids == oracle(record)[1] and c.notes == []
 
 
+@pytest.mark.slow
 def test_failed_exchanges_are_calls_with_a_problem(captures):
     record = captures.records(S.non_streamed)[0]
     failed = {**record, "status": 500, "response_body": json.dumps({"error": {"message": "boom"}}), "complete": True}
@@ -70,6 +74,7 @@ def test_failed_exchanges_are_calls_with_a_problem(captures):
     assert extract(raw, None)[0].problem == Problem.ERROR
 
 
+@pytest.mark.slow
 def test_a_stream_that_lost_ids_falls_back_to_retokenization(captures, retokenizer):
     """vllm#27482: a stream whose chunks carry fewer ids than the usage counts (tool parser, reasoning)."""
     record = copy.deepcopy(captures.records(S.streamed)[0])
@@ -82,6 +87,7 @@ def test_a_stream_that_lost_ids_falls_back_to_retokenization(captures, retokeniz
     assert c.source == "retokenized" and c.output_ids == oracle(captures.records(S.streamed)[0])[1]
 
 
+@pytest.mark.slow
 def test_torn_stream_is_an_incomplete_call(captures):
     record = captures.records(S.streamed)[0]
     body = record["response_body"]
@@ -95,6 +101,7 @@ def test_not_model_calls():
     assert extract({"api": "anthropic", "path": "/v1/messages/count_tokens"}, None) is None
 
 
+@pytest.mark.slow
 def test_native_apis_read_their_translated_exchange_or_a_registered_converter(captures):
     record = captures.records(S.non_streamed)[0]
     chat_body = record["request"]
@@ -124,6 +131,7 @@ def test_native_apis_read_their_translated_exchange_or_a_registered_converter(ca
         NATIVE_CONVERTERS.update(shipped)
 
 
+@pytest.mark.slow
 def test_a_call_the_template_cannot_render_is_dropped_with_the_reason(captures):
     tokenizer = AutoTokenizer.from_pretrained(captures.model_dir)
     tokenizer.chat_template = "{{ raise_exception('unsupported role') }}"

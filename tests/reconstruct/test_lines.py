@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from reconstruct import LineIndexer, LineRef, parse_head
 from reconstruct._lines import HEAD_BYTES
 
@@ -31,6 +33,7 @@ def small_lines(captures):
     return b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in records)
 
 
+@pytest.mark.slow
 def test_every_split_of_real_lines(captures):
     data = small_lines(captures)
     want = expected(data)
@@ -40,6 +43,7 @@ def test_every_split_of_real_lines(captures):
     assert lines_of(data, [data[i : i + 1] for i in range(len(data))]) == (want, None)
 
 
+@pytest.mark.slow
 def test_torn_last_line_is_reported_not_returned(captures):
     data = small_lines(captures)
     torn_at = data.index(b"\n") + 40
@@ -48,6 +52,7 @@ def test_torn_last_line_is_reported_not_returned(captures):
     assert torn == LineRef(refs[0].length + 1, torn_at - refs[0].length - 1, data[refs[0].length + 1 : torn_at])
 
 
+@pytest.mark.slow
 def test_head_of_every_real_record(captures):
     for path in sorted(captures.vllm_dir.glob("*.jsonl")) + sorted(captures.plain_dir.glob("*.jsonl")):
         data = path.read_bytes()

@@ -66,6 +66,7 @@ def assert_faithful(traces, records):
     assert merged == sorted(by_id)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("on_drift", ["split", "keep"])
 @pytest.mark.parametrize("session", [s for s in EXPECTED if not s.startswith("plain")])
 def test_captured_scenarios(session, on_drift, captures, session_calls):
@@ -78,6 +79,7 @@ def test_captured_scenarios(session, on_drift, captures, session_calls):
     assert drift == ([[0, 1]] if (session, on_drift) == (S.no_reasoning, "keep") else [[]] * len(traces))
 
 
+@pytest.mark.slow
 def test_per_request_is_one_faithful_trace_per_call(captures, session_calls):
     for session in (S.subagents, S.retry, S.max_tokens):
         traces = merge(session_calls[session], mode="per-request")
@@ -86,6 +88,7 @@ def test_per_request_is_one_faithful_trace_per_call(captures, session_calls):
         assert_faithful(traces, captures.records(session))
 
 
+@pytest.mark.slow
 def test_max_tokens_turn_is_kept_unclosed_and_its_closing_masked(captures, session_calls):
     (trace,) = merge(session_calls[S.max_tokens])
     first = trace.calls[0]
@@ -95,6 +98,7 @@ def test_max_tokens_turn_is_kept_unclosed_and_its_closing_masked(captures, sessi
     assert EOT in u and all(m == 0 for m in trace.loss_mask[6 : 6 + len(u)])
 
 
+@pytest.mark.slow
 def test_plain_sessions_retokenize_to_the_captured_tokens(session_calls):
     for plain, captured in ((S.plain_streamed, S.streamed), (S.plain_non_streamed, S.non_streamed)):
         (p,), (c,) = merge(session_calls[plain]), merge(session_calls[captured])

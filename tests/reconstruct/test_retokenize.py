@@ -8,6 +8,8 @@ from transformers import AutoTokenizer
 from reconstruct import RetokenizeError, Retokenizer, detect_eot, parse_eot
 from tests.reconstruct.conftest import oracle
 
+pytestmark = pytest.mark.slow  # the captures fixture: a reference server and two mitmdumps
+
 
 @pytest.fixture(scope="module")
 def tokenizer(captures):
