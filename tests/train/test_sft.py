@@ -362,7 +362,7 @@ def test_yaml_config_then_flags(tmp_path):
 def test_lr_warms_up_then_decays_to_its_floor():
     factors = [sft.lr_factor(s, 10, warmup_steps=2, min_lr_frac=0.1) for s in range(10)]
     assert factors[:3] == pytest.approx([1 / 3, 2 / 3, 1.0]) and factors[-1] == pytest.approx(0.1)
-    assert all(a >= b for a, b in itertools.pairwise(factors))
+    assert all(a >= b for a, b in itertools.pairwise(factors[2:]))  # from the peak on
     assert sft.lr_factor(0, 1, warmup_steps=0, min_lr_frac=0.1) == 1.0  # one step: the peak
 
 
