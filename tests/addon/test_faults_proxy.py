@@ -6,7 +6,6 @@ the capture file's size: writes past it fail with EFBIG (a short write first) ex
 raising it again is space returning, without root or a filesystem of our own.
 """
 
-import json
 import sys
 import re
 import resource
@@ -23,6 +22,7 @@ from eval import rollout, rollout_service
 from eval.services import Mitmdump, ProxyNotRecording, Service, check_proxy, free_port
 from tests.bench.upstream import make_server
 from tests import http
+from tests.bench.reliability import read_records
 
 pytestmark = pytest.mark.slow
 
@@ -45,19 +45,6 @@ def upstream():
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
-
-
-def records(directory):
-    """Parsed records and the number of lines that do not parse (torn)."""
-    parsed, torn = [], 0
-    for path in sorted(directory.glob("*.jsonl")):
-        for line in path.read_bytes().split(b"\n"):
-            if line:
-                try:
-                    parsed.append(json.loads(line))
-                except ValueError:
-                    torn += 1
-    return parsed, torn
 
 
 def call(url, session, *, content=b"x" * 200, path="/v1/chat/completions"):
@@ -187,7 +174,7 @@ def test_a_full_disk_under_8_clients_recovers_and_shutdown_while_full_names_what
         refused = {sess for sess, s, _ in clients.answers if s == 503}
         assert refused and answered and None not in {s for _, s, _ in clients.answers}
         wait_for(lambda: health(mitm.url)["backlog_bytes"] == 0, "the backlog to drain")
-        got, torn = records(captures)
+        got, torn = read_records(captures)
         recorded = {r["session_id"] for r in got}
         assert torn == 0
         assert answered <= recorded  # no call answered 200 went unrecorded
@@ -208,7 +195,7 @@ def test_a_full_disk_under_8_clients_recovers_and_shutdown_while_full_names_what
         mitm.stop()
     log = mitm.output()
     lost = set(re.findall(r"NOT WRITTEN: record \w+ \(session ([\w.-]+),", log))
-    got, torn = records(captures)
+    got, torn = read_records(captures)
     recorded = {r["session_id"] for r in got}
     answered = {sess for sess, s, _ in clients.answers if s == 200}
     assert torn == 0  # the short write at the limit was cut back
@@ -233,7 +220,7 @@ def test_deep_json_and_secrets_over_the_wire(upstream, tmp_path):
             body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
             assert http.post(f"{mitm.url}{path}", json=body, headers=headers).status_code == 200
         wait_for(lambda: check_proxy(mitm.url)["records_written"] == 4, "the records")
-    got, torn = records(tmp_path / "captures")
+    got, torn = read_records(tmp_path / "captures")
     deep_record = next(r for r in got if r["session_id"] == "sess-deep")
     assert deep_record["error"]["kind"] == "request" and deep_record["status"] == 400 and torn == 0
     assert sorted(r["session_source"] for r in got) == ["api_key", "key_hash", "key_hash", "key_hash"]
