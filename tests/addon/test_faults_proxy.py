@@ -6,11 +6,10 @@ the capture file's size: writes past it fail with EFBIG (a short write first) ex
 raising it again is space returning, without root or a filesystem of our own.
 """
 
-import json
+import sys
 import re
 import resource
 import signal
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,8 +20,9 @@ import pytest
 
 from eval import rollout, rollout_service
 from eval.services import Mitmdump, ProxyNotRecording, Service, check_proxy, free_port
-from tests import http
 from tests.bench.upstream import make_server
+from tests import http
+from tests.bench.reliability import read_records
 
 pytestmark = pytest.mark.slow
 
@@ -47,19 +47,6 @@ def upstream():
     server.server_close()
 
 
-def records(directory):
-    """Parsed records and the number of lines that do not parse (torn)."""
-    parsed, torn = [], 0
-    for path in sorted(directory.glob("*.jsonl")):
-        for line in path.read_bytes().split(b"\n"):
-            if line:
-                try:
-                    parsed.append(json.loads(line))
-                except ValueError:
-                    torn += 1
-    return parsed, torn
-
-
 def call(url, session, *, content=b"x" * 200, path="/v1/chat/completions"):
     body = {"model": "m", "messages": [{"role": "user", "content": content.decode()}]}
     return httpx.post(f"{url}{path}", json=body, headers={"authorization": f"Bearer {session}"}, timeout=60)
@@ -71,21 +58,9 @@ def call(url, session, *, content=b"x" * 200, path="/v1/chat/completions"):
 def test_a_proxy_whose_addon_did_not_load_is_refused_by_every_client(upstream, tmp_path):
     # mitmproxy refuses the script over the repeated option ("Received multiple values") and forwards anyway.
     port = free_port()
-    cmd = [
-        str(Path(sys.executable).parent / "mitmdump"),
-        "--mode",
-        f"reverse:{upstream}",
-        "--listen-host",
-        "127.0.0.1",
-        "-p",
-        str(port),
-        "-s",
-        "addon/polar.py",
-        "--set",
-        f"polar_dir={tmp_path / 'a'}",
-        "--set",
-        f"polar_dir={tmp_path / 'b'}",
-    ]
+    cmd = [str(Path(sys.executable).parent / "mitmdump"), "--mode", f"reverse:{upstream}",
+           "--listen-host", "127.0.0.1", "-p", str(port), "-s", "addon/polar.py",
+           "--set", f"polar_dir={tmp_path / 'a'}", "--set", f"polar_dir={tmp_path / 'b'}"]  # fmt: skip
     with Service(cmd, port=port, log=tmp_path / "mitmdump.log") as proxy:
         time.sleep(2.0)  # mitmproxy reports the script error just after it starts listening
         assert call(proxy.url, "sess-unrecorded").status_code == 200  # the hazard: forwarded, recorded nowhere
@@ -93,9 +68,7 @@ def test_a_proxy_whose_addon_did_not_load_is_refused_by_every_client(upstream, t
         with pytest.raises(ProxyNotRecording, match="not loaded") as raised:
             check_proxy(proxy.url)
         assert raised.value.answered
-        args = rollout.Args(
-            tasks="toy", harness="shell", command="true {instruction}", proxy=proxy.url, out=tmp_path / "run"
-        )
+        args = rollout.Args(tasks="toy", harness="shell", command="true {instruction}", proxy=proxy.url, out=tmp_path / "run")
         with pytest.raises(ProxyNotRecording, match="GET /polar/health"):
             rollout.main(args)
         assert not (tmp_path / "run" / "sessions.parquet").exists()
@@ -117,19 +90,9 @@ def test_a_recording_proxy_answers_its_health(upstream, tmp_path):
 
 def test_a_transparent_proxy_answers_its_health_as_a_proxy(upstream, tmp_path):
     port = free_port()
-    cmd = [
-        str(Path(sys.executable).parent / "mitmdump"),
-        "--mode",
-        f"regular@127.0.0.1:{port}",
-        "-s",
-        "addon/polar.py",
-        "--set",
-        f"confdir={tmp_path / 'conf'}",
-        "--set",
-        f"polar_reroute={upstream}",
-        "--set",
-        f"polar_dir={tmp_path / 'captures'}",
-    ]
+    cmd = [str(Path(sys.executable).parent / "mitmdump"), "--mode", f"regular@127.0.0.1:{port}", "-s", "addon/polar.py",
+           "--set", f"confdir={tmp_path / 'conf'}", "--set", f"polar_reroute={upstream}",
+           "--set", f"polar_dir={tmp_path / 'captures'}"]  # fmt: skip
     with Service(cmd, port=port, log=tmp_path / "mitmdump.log") as proxy:
         health = wait_for(lambda: _health_or_none(proxy.url), "the health answer through the proxy")
     assert health["loaded"] and health["options"]["polar_dir"] == str((tmp_path / "captures").resolve())
@@ -161,9 +124,7 @@ class Clients:
                 n += 1
                 body = {"model": "m", "messages": [{"role": "user", "content": "y" * 20_000}]}
                 try:
-                    status = client.post(
-                        f"{self.url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {session}"}
-                    ).status_code
+                    status = client.post(f"{self.url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {session}"}).status_code
                 except httpx.HTTPError:
                     status = None
                 self.answers.append((session, status, time.monotonic()))
@@ -205,9 +166,7 @@ def test_a_full_disk_under_8_clients_recovers_and_shutdown_while_full_names_what
             wait_for(lambda: sum(s == 503 for _, s, _ in clients.answers) >= 16, "refusals")
             freed = time.monotonic()
             free_disk(mitm.proc.pid)
-            wait_for(
-                lambda: any(s == 200 and t > freed for _, s, t in clients.answers[-50:]), "answers after space returned"
-            )
+            wait_for(lambda: any(s == 200 and t > freed for _, s, t in clients.answers[-50:]), "answers after space returned")
             wait_for(lambda: sum(s == 200 and t > freed for _, s, t in clients.answers) >= 16, "recording to go on")
         finally:
             clients.close()
@@ -215,7 +174,7 @@ def test_a_full_disk_under_8_clients_recovers_and_shutdown_while_full_names_what
         refused = {sess for sess, s, _ in clients.answers if s == 503}
         assert refused and answered and None not in {s for _, s, _ in clients.answers}
         wait_for(lambda: health(mitm.url)["backlog_bytes"] == 0, "the backlog to drain")
-        got, torn = records(captures)
+        got, torn = read_records(captures)
         recorded = {r["session_id"] for r in got}
         assert torn == 0
         assert answered <= recorded  # no call answered 200 went unrecorded
@@ -236,7 +195,7 @@ def test_a_full_disk_under_8_clients_recovers_and_shutdown_while_full_names_what
         mitm.stop()
     log = mitm.output()
     lost = set(re.findall(r"NOT WRITTEN: record \w+ \(session ([\w.-]+),", log))
-    got, torn = records(captures)
+    got, torn = read_records(captures)
     recorded = {r["session_id"] for r in got}
     answered = {sess for sess, s, _ in clients.answers if s == 200}
     assert torn == 0  # the short write at the limit was cut back
@@ -250,14 +209,8 @@ def test_a_full_disk_under_8_clients_recovers_and_shutdown_while_full_names_what
 def test_deep_json_and_secrets_over_the_wire(upstream, tmp_path):
     with Mitmdump(upstream, tmp_path / "captures", log=tmp_path / "mitmdump.log") as mitm:
         deep = b'{"model": "m", "max_tokens": 5, "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"
-        r = http.post(
-            f"{mitm.url}/v1/messages",
-            content=deep,
-            headers={"x-api-key": "sess-deep", "content-type": "application/json"},
-        )
-        assert (
-            r.status_code == 400 and r.json()["type"] == "error" and "nested too deeply" in r.json()["error"]["message"]
-        )
+        r = http.post(f"{mitm.url}/v1/messages", content=deep, headers={"x-api-key": "sess-deep", "content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["type"] == "error" and "nested too deeply" in r.json()["error"]["message"]
         secret = "sk-proj-WIRESECRET"
         for path, headers in [
             (f"/v1/chat/completions?API_KEY={secret}", {}),
@@ -267,7 +220,7 @@ def test_deep_json_and_secrets_over_the_wire(upstream, tmp_path):
             body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
             assert http.post(f"{mitm.url}{path}", json=body, headers=headers).status_code == 200
         wait_for(lambda: check_proxy(mitm.url)["records_written"] == 4, "the records")
-    got, torn = records(tmp_path / "captures")
+    got, torn = read_records(tmp_path / "captures")
     deep_record = next(r for r in got if r["session_id"] == "sess-deep")
     assert deep_record["error"]["kind"] == "request" and deep_record["status"] == 400 and torn == 0
     assert sorted(r["session_source"] for r in got) == ["api_key", "key_hash", "key_hash", "key_hash"]
