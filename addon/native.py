@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from addon.sse import SSEDecoder, SSEEvent
+
 REASONING_PREFIX = "polar1:"
 
 
@@ -157,43 +159,31 @@ class Translation(Protocol):
 
 
 class ChatStream:
-    """Incremental SSE decoder for an upstream Chat Completions stream: bytes in, chunk dicts out.
+    """Incremental decoder for an upstream Chat Completions stream: bytes in, chunk dicts out.
 
-    Network chunks split events anywhere (mid-line, mid-UTF-8); ``decode`` buffers until an event
-    is complete. ``data: [DONE]`` and comments are skipped; an event that is not JSON raises.
+    Network chunks split events anywhere (mid-line, mid-UTF-8); :class:`SSEDecoder` buffers until an
+    event is complete. ``data: [DONE]`` and comments are skipped; an event that is not JSON raises.
     """
 
     def __init__(self) -> None:
-        self._buffer = b""
+        self._sse = SSEDecoder()
 
     def decode(self, data: bytes) -> Iterator[dict[str, Any]]:
-        self._buffer += data
-        while True:
-            end, sep = _event_end(self._buffer)
-            if end < 0:
-                return
-            event, self._buffer = self._buffer[:end], self._buffer[end + sep :]
-            if chunk := _parse_event(event):
-                yield chunk
+        return _chunks(self._sse.decode(data))
 
     def flush(self) -> Iterator[dict[str, Any]]:
-        event, self._buffer = self._buffer, b""
-        if chunk := _parse_event(event):
-            yield chunk
+        # An upstream that closes right after its last event's data line still sent that event: end it.
+        events = self._sse.decode(b"\n\n")
+        self._sse.flush()
+        return _chunks(events)
 
 
-def _event_end(buffer: bytes) -> tuple[int, int]:
-    """Where the first complete event ends, and the separator's length (-1, 0 when none yet)."""
-    ends = [(i, len(sep)) for sep in (b"\n\n", b"\r\n\r\n") if (i := buffer.find(sep)) >= 0]
-    return min(ends) if ends else (-1, 0)
-
-
-def _parse_event(event: bytes) -> dict[str, Any] | None:
-    data = b"".join(line[5:].lstrip(b" ") for line in event.splitlines() if line.startswith(b"data:"))
-    if not data or data == b"[DONE]":
-        return None
-    event_body: dict[str, Any] = json.loads(data)  # every event the APIs stream is a JSON object
-    return event_body
+def _chunks(events: list[SSEEvent]) -> Iterator[dict[str, Any]]:
+    for event in events:
+        if event.data and event.data != "[DONE]":
+            chunk: dict[str, Any] = json.loads(event.data)  # every event the APIs stream is a JSON object
+            if chunk:
+                yield chunk
 
 
 def sse(event: str | None, payload: dict[str, Any]) -> bytes:

@@ -2,7 +2,7 @@
 
 Layers, each in its own module, pure except the edges (``_io``, ``_build``'s file writing):
 
-- ``_lines.LineIndexer`` splits capture files into record lines; ``_sse.SSEDecoder`` splits event streams;
+- ``_lines.LineIndexer`` splits capture files into record lines; ``addon.sse.SSEDecoder`` splits event streams;
   ``_chat.ChatAssembler`` turns one upstream answer into completions (all ``decode(chunk)`` / ``flush()``).
 - ``_extract.extract`` turns one capture record into model calls, per wire API (``EXTRACTORS``), rebuilding
   ids with ``_retokenize.Retokenizer`` when the record has none.
@@ -11,6 +11,7 @@ Layers, each in its own module, pure except the edges (``_io``, ``_build``'s fil
 - ``_audit.audit`` re-scores a table with a model.
 """
 
+from addon.sse import SSEDecoder, SSEEvent
 from reconstruct._audit import AuditReport, audit, score_trace
 from reconstruct._build import parse_shard, reconstruct, stats_path, write_trajectories
 from reconstruct._calls import Call, Completion, Problem
@@ -21,7 +22,6 @@ from reconstruct._io import CaptureIndex, discover, read_sessions
 from reconstruct._lines import LineIndexer, LineRef, parse_head
 from reconstruct._merge import CAUSES, Trace, merge, vote_eot
 from reconstruct._retokenize import Retokenizer, detect_eot, parse_eot
-from reconstruct._sse import SSEDecoder, SSEEvent
 from reconstruct._stats import Stats, file_stats
 from reconstruct._tokens import TokenText, cut_array
 

@@ -25,8 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 from addon import anthropic, google, native, responses
+from addon.sse import SSEDecoder
 from reconstruct._json import dumps, loads
-from reconstruct._sse import SSEDecoder
 
 __all__ = ["CONVERTERS", "anthropic_record", "google_record", "responses_record"]
 
