@@ -79,7 +79,8 @@ def start(
     return MessagesTranslation(body, chat_request(body, options))
 
 
-def error_body(status: int, message: str) -> dict[str, Any]:
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """Anthropic's error shape (it names no field: ``param`` is not used)."""
     kind = ERROR_TYPES.get(status) or ("api_error" if status >= 500 else "invalid_request_error")
     if status < 500 and (overflow := context_overflow(message)):
         kind, message = "invalid_request_error", overflow
@@ -458,3 +459,65 @@ def _native_id(prefix: str, upstream_id: Any) -> str:
     given = upstream_id if isinstance(upstream_id, str) else ""
     tail = re.sub(r"^(chatcmpl-tool-|chatcmpl-|call_|toolu_|msg_)", "", given)
     return prefix + (re.sub(r"[^A-Za-z0-9]", "", tail) or uuid.uuid4().hex[:24])
+
+
+# --- an answer recorded untranslated, back to Chat Completions (reconstruction) ------------------------------
+
+
+_FINISH = {"end_turn": "stop", "stop_sequence": "stop", "tool_use": "tool_calls", "max_tokens": "length"}
+
+
+def to_chat_completion(text: str, streamed: bool) -> dict[str, Any] | None:
+    """A Messages answer, streamed or not, as a ``chat.completion`` (contract: native.py)."""
+    message = _streamed_message(native.sse_payloads(text)) if streamed else native.json_object(text)
+    if not isinstance(message, dict) or message.get("type") != "message":
+        return None
+    content: list[str] = []
+    reasoning: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for block in message.get("content") or []:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            content.append(block.get("text") or "")
+        elif kind == "thinking":
+            reasoning.append(block.get("thinking") or "")
+        elif kind == "tool_use":
+            calls.append(native.chat_tool_call(block.get("id"), block.get("name"), block.get("input")))
+    usage = u if isinstance(u := message.get("usage"), dict) else {}
+    counts = {"prompt_tokens": usage.get("input_tokens"), "completion_tokens": usage.get("output_tokens")}
+    finish = _FINISH.get(str(message.get("stop_reason")))
+    return native.chat_completion(content, reasoning, calls, finish, counts, message.get("model"))
+
+
+def _streamed_message(events: list[Any]) -> dict[str, Any] | None:
+    """The message a stream of Messages events adds up to (text, thinking and tool-use blocks, stop reason)."""
+    message: dict[str, Any] | None = None
+    blocks: dict[int, dict[str, Any]] = {}
+    for event in events:
+        if not isinstance(event, dict):
+            continue
+        kind = event.get("type")
+        if kind == "message_start" and isinstance(event.get("message"), dict):
+            message = {**event["message"], "content": []}
+        elif kind == "content_block_start" and isinstance(event.get("content_block"), dict):
+            blocks[event.get("index", len(blocks))] = {**event["content_block"], "partial_json": ""}
+        elif kind == "content_block_delta" and isinstance(event.get("delta"), dict):
+            block, delta = blocks.setdefault(event.get("index", 0), {"partial_json": ""}), event["delta"]
+            for key, field in (("text_delta", "text"), ("thinking_delta", "thinking")):
+                if delta.get("type") == key:
+                    block[field] = (block.get(field) or "") + (delta.get(field) or "")
+            if delta.get("type") == "input_json_delta":
+                block["partial_json"] += delta.get("partial_json") or ""
+        elif kind == "message_delta" and message is not None:
+            message["stop_reason"] = (event.get("delta") or {}).get("stop_reason")
+            message["usage"] = {**(message.get("usage") or {}), **(event.get("usage") or {})}
+    if message is None:
+        return None
+    for _, block in sorted(blocks.items()):
+        if block.get("type") == "tool_use" and block["partial_json"]:
+            try:
+                block["input"] = json.loads(block["partial_json"])
+            except ValueError:
+                block["input"] = block["partial_json"]  # kept as sent: the call was cut off
+        message["content"].append(block)
+    return message

@@ -97,7 +97,8 @@ def start(body: dict[str, Any], path: str, headers: dict[str, str], options: nat
     return Translation(chat, stream, model, include_thoughts=thinking.get("includeThoughts") is True)
 
 
-def error_body(status: int, message: str) -> dict[str, Any]:
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """google.rpc's error shape (``param`` is not used: the message names the field)."""
     name = STATUS_NAMES.get(status) or ("INTERNAL" if status >= 500 else "INVALID_ARGUMENT")
     return {"error": {"code": status, "message": message, "status": name}}
 
@@ -460,3 +461,51 @@ def _usage(usage: dict[str, Any]) -> dict[str, Any]:
     if cached := (usage.get("prompt_tokens_details") or {}).get("cached_tokens"):
         out["cachedContentTokenCount"] = cached
     return out
+
+
+# --- an answer recorded untranslated, back to Chat Completions (reconstruction) ------------------------------
+
+
+_FINISH = {"STOP": "stop", "MAX_TOKENS": "length"}
+
+
+def to_chat_completion(text: str, streamed: bool) -> dict[str, Any] | None:
+    """A generateContent answer, or the events of a streamed one, as a ``chat.completion`` (contract: native.py)."""
+    if streamed:
+        chunks = native.sse_payloads(text)
+    else:
+        try:
+            chunks = [json.loads(text)]
+        except ValueError:
+            return None
+    content: list[str] = []
+    reasoning: list[str] = []
+    signed: list[str] = []  # reasoning the addon signed into thoughtSignature (Google's own are opaque)
+    calls: list[dict[str, Any]] = []
+    usage: dict[str, Any] = {}
+    finish, model, seen = None, None, False
+    for chunk in chunks:
+        if not isinstance(chunk, dict):
+            continue
+        usage = chunk.get("usageMetadata") or usage
+        model = chunk.get("modelVersion") or model
+        for candidate in (chunk.get("candidates") or [])[:1]:
+            seen = True
+            for part in (candidate.get("content") or {}).get("parts") or []:
+                if not isinstance(part, dict):
+                    continue
+                decoded = read_signature(part.get("thoughtSignature"))
+                if decoded is not None and decoded not in signed:
+                    signed.append(decoded)
+                if isinstance(part.get("text"), str):
+                    (reasoning if part.get("thought") else content).append(part["text"])
+                call = part.get("functionCall")
+                if isinstance(call, dict):
+                    call_id = call.get("id") or f"call_{len(calls)}"
+                    calls.append(native.chat_tool_call(call_id, call.get("name"), call.get("args")))
+            finish = candidate.get("finishReason") or finish
+    if not seen:
+        return None
+    reason = "tool_calls" if calls and finish == "STOP" else _FINISH.get(str(finish), "stop" if finish else None)
+    counts = {"prompt_tokens": usage.get("promptTokenCount"), "completion_tokens": usage.get("candidatesTokenCount")}
+    return native.chat_completion(content, signed or reasoning, calls, reason, counts, model)

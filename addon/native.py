@@ -158,6 +158,22 @@ class Translation(Protocol):
         """The native error body for an upstream failure (status kept by the addon)."""
 
 
+class Translator(Protocol):
+    """A translator module (anthropic.py, responses.py, google.py), as the registry (addon/apis.py) holds it."""
+
+    def start(
+        self, body: dict[str, Any], path: str, headers: dict[str, str], options: Options
+    ) -> Translation | LocalAnswer:
+        """The translation of one request; :class:`BadRequest` for a body it cannot translate."""
+
+    def error_body(self, status: int, message: str, param: str | None = None) -> dict[str, Any]:
+        """An error body in the API's shape (``param``: the offending field, where the API's shape has one)."""
+
+    def to_chat_completion(self, text: str, streamed: bool) -> dict[str, Any] | None:
+        """A native answer recorded untranslated (``polar_translate=never``, capture-only) as a non-streamed
+        ``chat.completion``, or None when it holds no answer. Reconstruction reads it (reconstruct/_extract.py)."""
+
+
 class ChatStream:
     """Incremental decoder for an upstream Chat Completions stream: bytes in, chunk dicts out.
 
@@ -235,3 +251,49 @@ def text_of(parts: Any) -> str:
     if isinstance(parts, list):
         return "".join(p.get("text") or "" for p in parts if isinstance(p, dict))
     return ""
+
+
+# --- native answers back to Chat Completions (each module's ``to_chat_completion``) ---------------------------
+
+
+def sse_payloads(text: str) -> list[Any]:
+    """The JSON payloads of a recorded SSE stream, in order; events that do not parse are skipped."""
+    decoder = SSEDecoder()
+    events = decoder.decode(text)
+    decoder.flush()
+    out = []
+    for event in events:
+        try:
+            out.append(json.loads(event.data))
+        except ValueError:
+            continue
+    return out
+
+
+def json_object(text: str) -> dict[str, Any] | None:
+    """A recorded non-streamed answer's body, or None when it is not a JSON object."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def chat_completion(
+    content: list[str],
+    reasoning: list[str],
+    calls: list[dict[str, Any]],
+    finish: str | None,
+    usage: dict[str, Any] | None,
+    model: Any,
+) -> dict[str, Any]:
+    """A non-streamed ``chat.completion`` with one assistant message made of the pieces an answer held."""
+    message = {"content": "".join(content) or None, "reasoning": "".join(reasoning) or None, "tool_calls": calls}
+    choice = {"index": 0, "message": {"role": "assistant", **message}, "finish_reason": finish}
+    return {"object": "chat.completion", "model": model, "choices": [choice], "usage": usage}
+
+
+def chat_tool_call(call_id: Any, name: Any, arguments: Any) -> dict[str, Any]:
+    """A Chat Completions tool call; ``arguments`` as JSON text, or a value written as JSON text."""
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments or {}, ensure_ascii=False)
+    return {"id": call_id or "", "type": "function", "function": {"name": name or "", "arguments": text}}

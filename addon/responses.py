@@ -534,3 +534,78 @@ def _usage(usage: dict[str, Any]) -> dict[str, Any]:
         },
         "total_tokens": usage.get("total_tokens") or prompt + completion,
     }
+
+
+# --- an answer recorded untranslated, back to Chat Completions (reconstruction) ------------------------------
+
+
+def to_chat_completion(text: str, streamed: bool) -> dict[str, Any] | None:
+    """A Responses answer (vLLM's own /v1/responses, or OpenAI's) as a ``chat.completion`` (contract: native.py).
+
+    Token ids only where the answer has them: vLLM with ``enable_response_messages`` puts the prompt's and the
+    sampled ids on the final response object (``input_messages`` / ``output_messages``, ``raw_message_tokens``),
+    and ``include: ["message.output_text.logprobs"]`` the log-probs of the output text (see
+    :func:`vllm_token_fields`); they are kept when they cover every sampled token.
+    """
+    response = _final_response(text, streamed)
+    if response is None or response.get("status") == "failed":
+        return None
+    content: list[str] = []
+    reasoning: list[str] = []
+    calls: list[dict[str, Any]] = []
+    logprobs: list[Any] = []
+    for item in response.get("output") or []:
+        if not isinstance(item, dict):
+            continue
+        if item.get("type") == "message":
+            for part in item.get("content") or []:
+                if isinstance(part, dict) and part.get("type") == "output_text":
+                    content.append(part.get("text") or "")
+                    logprobs += part.get("logprobs") or []
+        elif item.get("type") == "reasoning":
+            # The addon's own encrypted_content holds the full text; OpenAI's is opaque, its summary not sampled.
+            own = native.read_reasoning(item.get("encrypted_content")) if item.get("encrypted_content") else None
+            reasoning += (
+                [own]
+                if own is not None
+                else [p.get("text") or "" for p in item.get("content") or [] if isinstance(p, dict)]
+            )
+        elif item.get("type") == "function_call":
+            calls.append(native.chat_tool_call(item.get("call_id"), item.get("name"), item.get("arguments")))
+    incomplete = response.get("status") == "incomplete"
+    finish = "length" if incomplete else "tool_calls" if calls else "stop"
+    usage = u if isinstance(u := response.get("usage"), dict) else {}
+    counts = {"prompt_tokens": usage.get("input_tokens"), "completion_tokens": usage.get("output_tokens")}
+    body = native.chat_completion(content, reasoning, calls, finish, counts, response.get("model"))
+    prompt, sampled = _raw_tokens(response.get("input_messages")), _raw_tokens(response.get("output_messages"))
+    if prompt and sampled:
+        body["prompt_token_ids"] = prompt
+        body["choices"][0]["token_ids"] = sampled
+        # Only text has log-probs in the Responses API: with reasoning or tool calls they cover part of the ids,
+        # and a call then has none (the trainer recomputes them).
+        if len(logprobs) == len(sampled):
+            body["choices"][0]["logprobs"] = {"content": logprobs}
+    return body
+
+
+def _final_response(text: str, streamed: bool) -> dict[str, Any] | None:
+    if not streamed:
+        return native.json_object(text)
+    final = None
+    for event in native.sse_payloads(text):
+        done = ("response.completed", "response.incomplete", "response.failed")
+        if isinstance(event, dict) and event.get("type") in done and isinstance(event.get("response"), dict):
+            final = event["response"]
+    return final
+
+
+def _raw_tokens(messages: Any) -> list[int] | None:
+    if not isinstance(messages, list) or not messages:
+        return None
+    ids: list[int] = []
+    for m in messages:
+        tokens = m.get("tokens") if isinstance(m, dict) and m.get("type") == "raw_message_tokens" else None
+        if not isinstance(tokens, list):
+            return None
+        ids += tokens
+    return ids
