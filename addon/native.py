@@ -11,7 +11,13 @@ reads (a spec for :func:`mismatch`), so a malformed body is a 400 naming the fie
 (issue 16; tests/addon/test_fuzz_native.py mutates real bodies to hold it). A :class:`Translation` carries the
 Chat Completions body to send upstream (without token fields: the addon adds those as for any chat
 call) and turns the upstream's answer back into the harness's format, chunk by chunk as it
-streams. Translators are pure: no I/O, no mitmproxy; the addon does the plumbing.
+streams. Translators are pure: no I/O, no mitmproxy; the addon does the plumbing. Each module is one entry of
+the registry in addon/apis.py, and keeps the :class:`Translator` contract below.
+
+What they share is here: :func:`chat_delta` reads a chunk's delta whatever names the upstream gave its fields,
+:class:`ToolCalls` gathers streamed tool-call pieces, and :func:`answer_chunk` turns a non-streamed answer into the
+one chunk each stream machine is fed, so both shapes of an answer come from the same code. The helpers at the end
+turn a native answer recorded untranslated back into a ``chat.completion`` (for reconstruction).
 """
 
 from __future__ import annotations
@@ -200,6 +206,95 @@ def _chunks(events: list[SSEEvent]) -> Iterator[dict[str, Any]]:
             chunk: dict[str, Any] = json.loads(event.data)  # every event the APIs stream is a JSON object
             if chunk:
                 yield chunk
+
+
+# --- the upstream's answer, as the translators' stream machines read it ------------------------------------
+
+
+@dataclass(slots=True)
+class ChatDelta:
+    """What one upstream chunk adds to the answer, whichever names the upstream gave its fields. Only the first
+    choice: Messages, Responses and generateContent (``candidateCount`` 1) have one answer."""
+
+    reasoning: str  # vLLM's "reasoning", SGLang's (and older vLLM's) "reasoning_content"
+    content: str
+    tool_calls: list[dict[str, Any]]  # pieces of calls, each naming its call by "index"
+    finish_reason: str | None
+    stop_reason: Any  # vLLM: the stop string that ended the answer, if one did
+    token_count: int  # sampled token ids in the chunk (vLLM's token_ids)
+
+
+def chat_delta(chunk: dict[str, Any]) -> ChatDelta | None:
+    """The first choice's delta of a ``chat.completion.chunk``; None when the chunk has none (a usage chunk)."""
+    for choice in chunk.get("choices") or []:
+        if choice.get("index", 0) == 0:
+            delta = choice.get("delta") or {}
+            return ChatDelta(
+                reasoning=delta.get("reasoning") or delta.get("reasoning_content") or "",
+                content=delta.get("content") or "",
+                tool_calls=delta.get("tool_calls") or [],
+                finish_reason=choice.get("finish_reason") or None,
+                stop_reason=choice.get("stop_reason"),
+                token_count=len(choice.get("token_ids") or []),
+            )
+    return None
+
+
+def answer_chunk(response: dict[str, Any]) -> dict[str, Any]:
+    """A non-streamed ``chat.completion`` as the one chunk that streams it: each translator's ``answer`` feeds it to
+    its stream machine, so a streamed and a non-streamed answer are built by the same code."""
+    choice = (response.get("choices") or [{}])[0]
+    message = choice.get("message") or {}
+    delta = {
+        "reasoning": message.get("reasoning") or message.get("reasoning_content"),
+        "content": message.get("content"),
+        "tool_calls": [{**call, "index": i} for i, call in enumerate(message.get("tool_calls") or [])],
+    }
+    fields = {k: choice[k] for k in ("finish_reason", "stop_reason", "token_ids") if k in choice}
+    return {
+        "id": response.get("id"),
+        "prompt_token_ids": response.get("prompt_token_ids"),
+        "choices": [{"index": 0, "delta": delta, **fields}],
+        "usage": response.get("usage"),
+    }
+
+
+@dataclass(slots=True)
+class ToolCall:
+    """One tool call gathered from its streamed pieces."""
+
+    id: str | None
+    name: str
+    arguments: str  # the JSON text so far
+    sent: int = 0  # how much of ``arguments`` has been passed on to the client
+
+    def unsent(self) -> str:
+        """The argument text not yet passed on, now counted as passed on."""
+        text, self.sent = self.arguments[self.sent :], len(self.arguments)
+        return text
+
+
+class ToolCalls:
+    """The tool calls of one answer, gathered from the pieces the upstream streams: a piece names its call by
+    ``index`` (a piece without one starts a new call), the first carries the id and name, the rest argument text."""
+
+    def __init__(self) -> None:
+        self.calls: dict[int, ToolCall] = {}
+
+    def add(self, piece: dict[str, Any]) -> tuple[int, ToolCall]:
+        """The index and the call a piece belongs to, with the piece added."""
+        index = piece.get("index", len(self.calls))
+        function = piece.get("function") or {}
+        call = self.calls.get(index)
+        if call is None:
+            call = self.calls[index] = ToolCall(piece.get("id"), "", "")
+        call.id = call.id or piece.get("id")
+        call.name += function.get("name") or ""
+        call.arguments += function.get("arguments") or ""
+        return index, call
+
+    def __bool__(self) -> bool:
+        return bool(self.calls)
 
 
 def sse(event: str | None, payload: dict[str, Any]) -> bytes:

@@ -137,20 +137,8 @@ class Translation:
         return b"".join(self._state.finish(complete, message))
 
     def answer(self, response: dict[str, Any]) -> dict[str, Any]:
-        choice = (response.get("choices") or [{}])[0]
-        message = choice.get("message") or {}
-        delta = {
-            "reasoning": message.get("reasoning") or message.get("reasoning_content"),
-            "content": message.get("content"),
-            "tool_calls": [{**call, "index": i} for i, call in enumerate(message.get("tool_calls") or [])],
-        }
         state = _Answer(self._body, quiet=True)
-        state.feed(
-            {
-                "choices": [{"delta": delta, "finish_reason": choice.get("finish_reason")}],
-                "usage": response.get("usage"),
-            }
-        )
+        state.feed(native.answer_chunk(response))
         state.finish(True)
         return state.response
 
@@ -352,6 +340,7 @@ class _Answer:
         self.started = False
         self.open: tuple[str, int] | None = None  # ("reasoning" | "message" | "call", chat tool-call index)
         self.texts: dict[int, str] = {}  # output index -> reasoning or message text so far
+        self.tool_calls = native.ToolCalls()
         self.calls: dict[int, int] = {}  # chat tool-call index -> output index
         self.finish_reason: str | None = None
         self.ended = False  # the closing events went out
@@ -371,15 +360,14 @@ class _Answer:
         self.begin()
         if chunk.get("usage"):
             self.response["usage"] = _usage(chunk["usage"])
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            if text := delta.get("reasoning") or delta.get("reasoning_content"):
-                self.text("reasoning", text)
-            if text := delta.get("content"):
-                self.text("message", text)
-            for piece in delta.get("tool_calls") or []:
+        if (delta := native.chat_delta(chunk)) is not None:
+            if delta.reasoning:
+                self.text("reasoning", delta.reasoning)
+            if delta.content:
+                self.text("message", delta.content)
+            for piece in delta.tool_calls:
                 self.call(piece)
-            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+            self.finish_reason = delta.finish_reason or self.finish_reason
         out, self.out = self.out, []
         return out
 
@@ -430,29 +418,27 @@ class _Answer:
             )
 
     def call(self, piece: dict[str, Any]) -> None:
-        key = ("call", piece.get("index", 0))
-        function = piece.get("function") or {}
-        if self.open != key:
-            if key[1] in self.calls:
-                raise ValueError(f"the upstream continued tool call {key[1]} after another output had begun")
+        index, call = self.tool_calls.add(piece)
+        if self.open != ("call", index):
+            if index in self.calls:
+                raise ValueError(f"the upstream continued tool call {index} after another output had begun")
             item = {
                 "id": _id("fc"),
                 "type": "function_call",
                 "status": "in_progress",
                 "arguments": "",
-                "call_id": piece.get("id") or _id("call"),
-                "name": function.get("name") or "",
+                "call_id": call.id or _id("call"),
+                "name": call.name,
             }
-            self.calls[key[1]] = self.add(key, item)
-        elif function.get("name"):
-            self.response["output"][-1]["name"] += function["name"]
+            self.calls[index] = self.add(("call", index), item)
         item = self.response["output"][-1]
-        if arguments := function.get("arguments"):
+        item["name"] = call.name
+        if arguments := call.unsent():
             item["arguments"] += arguments
             self.emit(
                 "response.function_call_arguments.delta",
                 item_id=item["id"],
-                output_index=self.calls[key[1]],
+                output_index=self.calls[index],
                 delta=arguments,
             )
 
