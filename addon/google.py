@@ -423,7 +423,7 @@ class _Answer:
                 continue
             text = call.arguments.strip() or ("{}" if final else "")
             # A JSON object ends with "}": parsing only then keeps a long streamed argument linear.
-            args = _json_object(text) if text.endswith("}") else None
+            args = native.json_object(text) if text.endswith("}") else None
             if args is None and not final:
                 continue
             self.sent_calls.add(index)
@@ -455,14 +455,6 @@ class _Answer:
             body["usageMetadata"] = _usage(self.usage or {})
         candidate["index"] = 0
         return {**body, "modelVersion": self.model, "responseId": self.response_id}
-
-
-def _json_object(text: str) -> dict[str, Any] | None:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def _usage(usage: dict[str, Any]) -> dict[str, Any]:

@@ -366,7 +366,8 @@ def sse_payloads(text: str) -> list[Any]:
 
 
 def json_object(text: str) -> dict[str, Any] | None:
-    """A recorded non-streamed answer's body, or None when it is not a JSON object."""
+    """The JSON object ``text`` holds (a recorded answer's body, a tool call's arguments), or None when it holds
+    none."""
     try:
         body = json.loads(text)
     except ValueError:
