@@ -347,7 +347,8 @@ class _Message:
     def end(self) -> list[bytes]:
         """The closing events: the open block's end, the stop reason and usage, message_stop."""
         self.done = True
-        delta = dict(zip(("stop_reason", "stop_sequence"), self._stop(), strict=True))
+        reason, sequence = self._stop()
+        delta = {"stop_reason": reason, "stop_sequence": sequence}
         usage = _usage(self.usage, self.prompt_tokens, self.output_tokens)
         return [
             *self._close_block(),
