@@ -2,7 +2,8 @@
 
 ``start`` maps a ``POST /v1/messages`` body onto one Chat Completions request (contract: addon/native.py);
 :class:`MessagesTranslation` turns each streamed chunk into the Anthropic events it completes, as it
-arrives, or a buffered ``chat.completion`` into one Message.
+arrives; a buffered ``chat.completion`` is the same machine fed one chunk (``native.answer_chunk``), so a
+non-streamed Message is what the events add up to.
 
 Choices beyond renaming:
 
@@ -79,7 +80,8 @@ def start(
     return MessagesTranslation(body, chat_request(body, options))
 
 
-def error_body(status: int, message: str) -> dict[str, Any]:
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """Anthropic's error shape (it names no field: ``param`` is not used)."""
     kind = ERROR_TYPES.get(status) or ("api_error" if status >= 500 else "invalid_request_error")
     if status < 500 and (overflow := context_overflow(message)):
         kind, message = "invalid_request_error", overflow
@@ -270,76 +272,105 @@ class MessagesTranslation:
         self.stream = chat_body.get("stream") is True
         self.model = body.get("model") or chat_body.get("model") or ""  # the harness sees what it asked for
         self.stops = chat_body.get("stop") or []
-        # The stream so far:
+        self._message = _Message(self.model, self.stops)
+
+    def events(self, chunk: dict[str, Any]) -> bytes:
+        return b"".join(self._message.feed(chunk))
+
+    def finish(self, complete: bool, message: str | None = None) -> bytes:
+        return b"".join(self._message.finish(complete, message))
+
+    def answer(self, response: dict[str, Any]) -> dict[str, Any]:
+        message = _Message(self.model, self.stops)
+        message.feed(native.answer_chunk(response))
+        message.end()
+        return message.body()
+
+    def error(self, status: int, message: str) -> dict[str, Any]:
+        return error_body(status, message)
+
+
+class _Message:
+    """The Message as the upstream's chat chunks arrive: its events, and the Message they add up to.
+
+    One content block is open at a time (thinking, text, or one tool call); a chunk for another closes it.
+    """
+
+    def __init__(self, model: str, stops: list[str]) -> None:
+        self.model = model
+        self.stops = stops
         self.started = self.done = False
-        self.blocks = 0  # content blocks started; the last one's index is blocks - 1
+        self.id: Any = None  # the upstream's answer id
+        self.content: list[dict[str, Any]] = []  # the blocks so far; the last one is the open one, if any
         self.open: Any = None  # the open block: "thinking", "text", or a tool call's upstream index
-        self.thinking = ""  # the open thinking block's text, for its signature
-        self.calls: dict[Any, dict[str, Any]] = {}  # upstream tool-call index -> id, name, arguments, started
+        self.texts: list[str] = []  # the open thinking or text block's text so far, set on it when it closes
+        self.calls = native.ToolCalls()
+        self.inputs: dict[int, int] = {}  # upstream tool-call index -> its tool_use block's index in content
         self.finish_reason: str | None = None
         self.matched: Any = None  # vLLM's stop_reason: the stop string that ended the answer, if one did
         self.prompt_tokens = self.output_tokens = 0
         self.usage: dict[str, Any] | None = None
 
-    def events(self, chunk: dict[str, Any]) -> bytes:
+    def feed(self, chunk: dict[str, Any]) -> list[bytes]:
         if self.done:
-            return b""
+            return []
         if chunk.get("error") or chunk.get("object") == "error":  # how vLLM reports a failure mid-stream
             error = chunk["error"] if isinstance(chunk.get("error"), dict) else chunk
             code = error.get("code")
             return self._fail(code if isinstance(code, int) and 400 <= code < 600 else 500, str(error.get("message")))
         out = [] if self.started else self._message_start(chunk)
-        for choice in chunk.get("choices") or []:
-            if choice.get("index", 0) != 0:
-                continue  # Messages has no n: one answer
-            self.output_tokens += len(choice.get("token_ids") or [])
-            delta = choice.get("delta") or {}
-            if reasoning := delta.get("reasoning") or delta.get("reasoning_content"):
-                out += self._text("thinking", reasoning)
-            if delta.get("content"):
-                out += self._text("text", delta["content"])
-            for call in delta.get("tool_calls") or []:
-                out += self._tool_call(call)
-            if choice.get("finish_reason"):
-                self.finish_reason, self.matched = choice["finish_reason"], choice.get("stop_reason")
+        if (delta := native.chat_delta(chunk)) is not None:
+            self.output_tokens += delta.token_count
+            if delta.reasoning:
+                out += self._text("thinking", delta.reasoning)
+            if delta.content:
+                out += self._text("text", delta.content)
+            for piece in delta.tool_calls:
+                out += self._tool_call(piece)
+            if delta.finish_reason:
+                self.finish_reason, self.matched = delta.finish_reason, delta.stop_reason
         if chunk.get("usage"):
             self.usage = chunk["usage"]
             if self.finish_reason and not chunk.get("choices"):  # the usage chunk closes the stream
-                out += self._message_end()
-        return b"".join(out)
+                out += self.end()
+        return out
 
-    def finish(self, complete: bool, message: str | None = None) -> bytes:
+    def finish(self, complete: bool, message: str | None = None) -> list[bytes]:
         if self.done:
-            return b""
+            return []
         if complete and self.finish_reason:  # no usage chunk came
-            return b"".join(self._message_end())
+            return self.end()
         if complete:
             return self._fail(502, "the upstream stream ended before the answer was complete")
         return self._fail(502, message) if message else self._fail(500, "polar could not translate the upstream stream")
 
-    def answer(self, response: dict[str, Any]) -> dict[str, Any]:
-        choice = (response.get("choices") or [{}])[0]
-        message, content = choice.get("message") or {}, []
-        if reasoning := message.get("reasoning") or message.get("reasoning_content"):
-            content.append({"type": "thinking", "thinking": reasoning, "signature": native.mint_reasoning(reasoning)})
-        if message.get("content"):
-            content.append({"type": "text", "text": message["content"]})
-        for call in message.get("tool_calls") or []:
-            function = call.get("function") or {}
-            tool_id, arguments = _native_id("toolu_", call.get("id")), _arguments(function.get("arguments"))
-            content.append({"type": "tool_use", "id": tool_id, "name": function.get("name"), "input": arguments})
-        called = bool(message.get("tool_calls"))
-        stop = _stop_reason(choice.get("finish_reason"), choice.get("stop_reason"), self.stops, called)
-        prompt, output = len(response.get("prompt_token_ids") or []), len(choice.get("token_ids") or [])
-        usage = _usage(response.get("usage"), prompt, output)
-        return {**self._message(response.get("id"), content, *stop), "usage": usage}
+    def end(self) -> list[bytes]:
+        """The closing events: the open block's end, the stop reason and usage, message_stop."""
+        self.done = True
+        reason, sequence = self._stop()
+        delta = {"stop_reason": reason, "stop_sequence": sequence}
+        usage = _usage(self.usage, self.prompt_tokens, self.output_tokens)
+        return [
+            *self._close_block(),
+            native.sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}),
+            native.sse("message_stop", {"type": "message_stop"}),
+        ]
 
-    def error(self, status: int, message: str) -> dict[str, Any]:
-        return error_body(status, message)
+    def body(self) -> dict[str, Any]:
+        """The Message the events added up to, once they ended, as a non-streamed answer carries it (tool inputs
+        parsed)."""
+        content = [dict(block) for block in self.content]
+        for index, at in self.inputs.items():
+            content[at]["input"] = _arguments(self.calls.calls[index].arguments)
+        usage = _usage(self.usage, self.prompt_tokens, self.output_tokens)
+        return {**self._message(content, *self._stop()), "usage": usage}
 
-    def _message(self, upstream_id: Any, content: list[Any], reason: Any, sequence: Any) -> dict[str, Any]:
+    def _stop(self) -> tuple[str | None, str | None]:
+        return _stop_reason(self.finish_reason, self.matched, self.stops, bool(self.calls))
+
+    def _message(self, content: list[Any], reason: Any, sequence: Any) -> dict[str, Any]:
         return {
-            "id": _native_id("msg_", upstream_id),
+            "id": _native_id("msg_", self.id),
             "type": "message",
             "role": "assistant",
             "content": content,
@@ -349,75 +380,62 @@ class MessagesTranslation:
         }
 
     def _message_start(self, chunk: dict[str, Any]) -> list[bytes]:
-        self.started = True
+        self.started, self.id = True, chunk.get("id")
         self.prompt_tokens = len(chunk.get("prompt_token_ids") or [])  # on vLLM's first chunk
-        message = {**self._message(chunk.get("id"), [], None, None), "usage": _usage(None, self.prompt_tokens, 0)}
+        message = {**self._message([], None, None), "usage": _usage(None, self.prompt_tokens, 0)}
         start = native.sse("message_start", {"type": "message_start", "message": message})
         return [start, native.sse("ping", {"type": "ping"})]
 
-    def _message_end(self) -> list[bytes]:
+    def _fail(self, status: int, message: str) -> list[bytes]:
         self.done = True
-        reason, sequence = _stop_reason(self.finish_reason, self.matched, self.stops, bool(self.calls))
-        delta = {"stop_reason": reason, "stop_sequence": sequence}
-        usage = _usage(self.usage, self.prompt_tokens, self.output_tokens)
-        return [
-            *self._close_block(),
-            native.sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}),
-            native.sse("message_stop", {"type": "message_stop"}),
-        ]
-
-    def _fail(self, status: int, message: str) -> bytes:
-        self.done = True
-        return native.sse("error", error_body(status, message))
+        return [native.sse("error", error_body(status, message))]
 
     def _open_block(self, key: Any, block: dict[str, Any]) -> list[bytes]:
         out = self._close_block()
-        self.open, self.blocks = key, self.blocks + 1
-        event = {"type": "content_block_start", "index": self.blocks - 1, "content_block": block}
-        return [*out, native.sse("content_block_start", event)]
+        self.open = key
+        event = {"type": "content_block_start", "index": len(self.content), "content_block": block}
+        start = native.sse("content_block_start", event)
+        self.content.append(block)  # filled in as it closes: the event above went out with the empty block
+        return [*out, start]
 
     def _close_block(self) -> list[bytes]:
         if self.open is None:
             return []
         out = []
-        if self.open == "thinking":  # the signature carries the whole thinking text back next turn
-            out.append(self._delta({"type": "signature_delta", "signature": native.mint_reasoning(self.thinking)}))
-            self.thinking = ""
-        self.open = None
-        return [*out, native.sse("content_block_stop", {"type": "content_block_stop", "index": self.blocks - 1})]
+        if self.open in ("thinking", "text"):
+            block = self.content[-1]
+            block[self.open] = "".join(self.texts)
+            if self.open == "thinking":  # the signature carries the whole thinking text back next turn
+                block["signature"] = native.mint_reasoning(block["thinking"])
+                out.append(self._delta({"type": "signature_delta", "signature": block["signature"]}))
+        self.open, self.texts = None, []
+        return [*out, native.sse("content_block_stop", {"type": "content_block_stop", "index": len(self.content) - 1})]
 
     def _delta(self, delta: dict[str, Any]) -> bytes:
-        event = {"type": "content_block_delta", "index": self.blocks - 1, "delta": delta}
+        event = {"type": "content_block_delta", "index": len(self.content) - 1, "delta": delta}
         return native.sse("content_block_delta", event)
 
     def _text(self, kind: str, text: str) -> list[bytes]:
         out = []
         if self.open != kind:
             out = self._open_block(kind, {"type": kind, kind: ""} | ({"signature": ""} if kind == "thinking" else {}))
-        if kind == "thinking":
-            self.thinking += text
+        self.texts.append(text)
         return [*out, self._delta({"type": f"{kind}_delta", kind: text})]
 
     def _tool_call(self, piece: dict[str, Any]) -> list[bytes]:
         """A piece of a streamed tool call. Its block starts once the name is known (the start event names the
         tool; vLLM and SGLang send it first anyway); argument text goes out as it comes."""
-        key = piece.get("index", len(self.calls))
-        call = self.calls.setdefault(key, {"id": None, "name": "", "arguments": "", "sent": 0, "started": False})
-        function = piece.get("function") or {}
-        call["id"] = call["id"] or piece.get("id")
-        call["name"] = call["name"] or function.get("name") or ""
-        call["arguments"] += function.get("arguments") or ""
+        index, call = self.calls.add(piece)
         out = []
-        if not call["started"]:
-            if not call["name"]:
+        if index not in self.inputs:
+            if not call.name:
                 return []
-            call["started"] = True
-            block = {"type": "tool_use", "id": _native_id("toolu_", call["id"]), "name": call["name"], "input": {}}
-            out = self._open_block(key, block)
-        elif self.open != key:
-            raise ValueError(f"the upstream went back to tool call {key} after its block was closed")
-        if pending := call["arguments"][call["sent"] :]:
-            call["sent"] = len(call["arguments"])
+            block = {"type": "tool_use", "id": _native_id("toolu_", call.id), "name": call.name, "input": {}}
+            out = self._open_block(index, block)
+            self.inputs[index] = len(self.content) - 1
+        elif self.open != index:
+            raise ValueError(f"the upstream went back to tool call {index} after its block was closed")
+        if pending := call.unsent():
             out.append(self._delta({"type": "input_json_delta", "partial_json": pending}))
         return out
 
@@ -458,3 +476,65 @@ def _native_id(prefix: str, upstream_id: Any) -> str:
     given = upstream_id if isinstance(upstream_id, str) else ""
     tail = re.sub(r"^(chatcmpl-tool-|chatcmpl-|call_|toolu_|msg_)", "", given)
     return prefix + (re.sub(r"[^A-Za-z0-9]", "", tail) or uuid.uuid4().hex[:24])
+
+
+# --- an answer recorded untranslated, back to Chat Completions (reconstruction) ------------------------------
+
+
+_FINISH = {"end_turn": "stop", "stop_sequence": "stop", "tool_use": "tool_calls", "max_tokens": "length"}
+
+
+def to_chat_completion(text: str, streamed: bool) -> dict[str, Any] | None:
+    """A Messages answer, streamed or not, as a ``chat.completion`` (contract: native.py)."""
+    message = _streamed_message(native.sse_payloads(text)) if streamed else native.json_object(text)
+    if not isinstance(message, dict) or message.get("type") != "message":
+        return None
+    content: list[str] = []
+    reasoning: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for block in message.get("content") or []:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            content.append(block.get("text") or "")
+        elif kind == "thinking":
+            reasoning.append(block.get("thinking") or "")
+        elif kind == "tool_use":
+            calls.append(native.chat_tool_call(block.get("id"), block.get("name"), block.get("input")))
+    usage = u if isinstance(u := message.get("usage"), dict) else {}
+    counts = {"prompt_tokens": usage.get("input_tokens"), "completion_tokens": usage.get("output_tokens")}
+    finish = _FINISH.get(str(message.get("stop_reason")))
+    return native.chat_completion(content, reasoning, calls, finish, counts, message.get("model"))
+
+
+def _streamed_message(events: list[Any]) -> dict[str, Any] | None:
+    """The message a stream of Messages events adds up to (text, thinking and tool-use blocks, stop reason)."""
+    message: dict[str, Any] | None = None
+    blocks: dict[int, dict[str, Any]] = {}
+    for event in events:
+        if not isinstance(event, dict):
+            continue
+        kind = event.get("type")
+        if kind == "message_start" and isinstance(event.get("message"), dict):
+            message = {**event["message"], "content": []}
+        elif kind == "content_block_start" and isinstance(event.get("content_block"), dict):
+            blocks[event.get("index", len(blocks))] = {**event["content_block"], "partial_json": ""}
+        elif kind == "content_block_delta" and isinstance(event.get("delta"), dict):
+            block, delta = blocks.setdefault(event.get("index", 0), {"partial_json": ""}), event["delta"]
+            for key, field in (("text_delta", "text"), ("thinking_delta", "thinking")):
+                if delta.get("type") == key:
+                    block[field] = (block.get(field) or "") + (delta.get(field) or "")
+            if delta.get("type") == "input_json_delta":
+                block["partial_json"] += delta.get("partial_json") or ""
+        elif kind == "message_delta" and message is not None:
+            message["stop_reason"] = (event.get("delta") or {}).get("stop_reason")
+            message["usage"] = {**(message.get("usage") or {}), **(event.get("usage") or {})}
+    if message is None:
+        return None
+    for _, block in sorted(blocks.items()):
+        if block.get("type") == "tool_use" and block["partial_json"]:
+            try:
+                block["input"] = json.loads(block["partial_json"])
+            except ValueError:
+                block["input"] = block["partial_json"]  # kept as sent: the call was cut off
+        message["content"].append(block)
+    return message

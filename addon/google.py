@@ -14,6 +14,7 @@ reasoning text (:func:`mint_signature`) onto the first non-thought part, because
 that part in its history and drops thought parts; the signature sent back becomes the assistant
 message's ``reasoning``, so the next prompt re-renders the tokens the model sampled. Thought
 parts themselves go out only when ``thinkingConfig.includeThoughts`` asks for them, as Gemini does.
+A non-streamed answer is the stream machine fed one chunk (``native.answer_chunk``): its parts are the events'.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def start(body: dict[str, Any], path: str, headers: dict[str, str], options: nat
     return Translation(chat, stream, model, include_thoughts=thinking.get("includeThoughts") is True)
 
 
-def error_body(status: int, message: str) -> dict[str, Any]:
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """google.rpc's error shape (``param`` is not used: the message names the field)."""
     name = STATUS_NAMES.get(status) or ("INTERNAL" if status >= 500 else "INVALID_ARGUMENT")
     return {"error": {"code": status, "message": message, "status": name}}
 
@@ -318,41 +320,75 @@ class Translation:
         self.model = model  # the harness sees the model it asked for
         self.include_thoughts = include_thoughts  # Gemini returns thought parts only when asked; the signature always
         self.response_id = uuid.uuid4().hex[:22]
-        self.thoughts = ""
+        self._answer = self._new_answer()
+
+    def events(self, chunk: dict[str, Any]) -> bytes:
+        return self._answer.feed(chunk)
+
+    def finish(self, complete: bool, message: str | None = None) -> bytes:
+        return self._answer.finish(complete, message)
+
+    def answer(self, response: dict[str, Any]) -> dict[str, Any]:
+        answer = self._new_answer()
+        answer.feed(native.answer_chunk(response))
+        return answer.response()
+
+    def error(self, status: int, message: str) -> dict[str, Any]:
+        return _error(status, message)
+
+    def _new_answer(self) -> _Answer:
+        return _Answer(self.model, self.response_id, include_thoughts=self.include_thoughts)
+
+
+def _error(status: int, message: str) -> dict[str, Any]:
+    if status == 400 and "context length" in message.lower():
+        # Gemini's wording for an over-long prompt, so a harness knows to compress its history.
+        message = f"The input token count exceeds the maximum number of tokens allowed. ({message})"
+    return error_body(status, message)
+
+
+class _Answer:
+    """The answer as the upstream's chat chunks arrive: one ``GenerateContentResponse`` event per chunk that adds
+    parts (a call once its arguments are complete JSON), a last one with the finish reason and usage, and the
+    parts they add up to (the non-streamed answer)."""
+
+    def __init__(self, model: str, response_id: str, *, include_thoughts: bool) -> None:
+        self.model = model
+        self.response_id = response_id
+        self.include_thoughts = include_thoughts
+        self.parts: list[dict[str, Any]] = []  # every part sent so far
+        self.thoughts: list[str] = []
         self.signed = False
-        self.calls: dict[int, dict[str, str]] = {}  # upstream tool-call index -> name and arguments so far
+        self.calls = native.ToolCalls()
         self.sent_calls: set[int] = set()
         self.finish_reason: str | None = None
         self.malformed = False
         self.usage: dict[str, Any] | None = None
         self.done = False
 
-    def events(self, chunk: dict[str, Any]) -> bytes:
+    def feed(self, chunk: dict[str, Any]) -> bytes:
         if self.done:
             return b""
         if isinstance(chunk.get("error"), dict):  # an error the upstream sent mid-stream
             self.done = True
             error = chunk["error"]
             code = error.get("code") if isinstance(error.get("code"), int) else 500
-            return native.sse(None, self.error(code, str(error.get("message") or "upstream error")))
+            return native.sse(None, _error(code, str(error.get("message") or "upstream error")))
         if chunk.get("usage"):
             self.usage = chunk["usage"]
         parts: list[dict[str, Any]] = []
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            if reasoning := delta.get("reasoning") or delta.get("reasoning_content"):
-                self.thoughts += reasoning
+        if (delta := native.chat_delta(chunk)) is not None:
+            if delta.reasoning:
+                self.thoughts.append(delta.reasoning)
                 if self.include_thoughts:
-                    parts.append({"text": reasoning, "thought": True})
-            if delta.get("content"):
-                parts.append(self._signed({"text": delta["content"]}))
-            for call in delta.get("tool_calls") or []:
-                slot = self.calls.setdefault(call.get("index", len(self.calls)), {"name": "", "arguments": ""})
-                function = call.get("function") or {}
-                slot["name"] += function.get("name") or ""
-                slot["arguments"] += function.get("arguments") or ""
-            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+                    parts.append({"text": delta.reasoning, "thought": True})
+            if delta.content:
+                parts.append(self._signed({"text": delta.content}))
+            for piece in delta.tool_calls:
+                self.calls.add(piece)
+            self.finish_reason = delta.finish_reason or self.finish_reason
             parts += self._complete_calls(final=self.finish_reason is not None)
+        self.parts += parts
         if self.finish_reason is not None and self.usage is not None and not chunk.get("choices"):
             return self._event(parts) + self._last_event()
         return self._event(parts)
@@ -363,56 +399,38 @@ class Translation:
         if not complete or self.finish_reason is None:
             self.done = True
             if message:
-                return native.sse(None, self.error(502, message))
-            return native.sse(None, self.error(500, "the upstream stream broke off before the answer was complete"))
+                return native.sse(None, _error(502, message))
+            return native.sse(None, _error(500, "the upstream stream broke off before the answer was complete"))
         return self._last_event()
 
-    def answer(self, response: dict[str, Any]) -> dict[str, Any]:
-        choice = (response.get("choices") or [{}])[0]
-        message = choice.get("message") or {}
-        self.thoughts = message.get("reasoning") or message.get("reasoning_content") or ""
-        parts: list[dict[str, Any]] = []
-        if self.thoughts and self.include_thoughts:
-            parts.append({"text": self.thoughts, "thought": True})
-        if message.get("content"):
-            parts.append(self._signed({"text": message["content"]}))
-        for i, call in enumerate(message.get("tool_calls") or []):
-            function = call.get("function") or {}
-            self.calls[i] = {"name": function.get("name") or "", "arguments": function.get("arguments") or ""}
-        parts += self._complete_calls(final=True)
-        self.finish_reason = choice.get("finish_reason")
-        self.usage = response.get("usage")
-        return self._response(parts + self._closing_parts(), last=True)
-
-    def error(self, status: int, message: str) -> dict[str, Any]:
-        if status == 400 and "context length" in message.lower():
-            # Gemini's wording for an over-long prompt, so a harness knows to compress its history.
-            message = f"The input token count exceeds the maximum number of tokens allowed. ({message})"
-        return error_body(status, message)
+    def response(self) -> dict[str, Any]:
+        """The whole answer in one ``GenerateContentResponse``: every part, the finish reason, the usage."""
+        self.parts += self._complete_calls(final=True)
+        return self._response(self.parts + self._closing_parts(), last=True)
 
     def _signed(self, part: dict[str, Any]) -> dict[str, Any]:
         """The first non-thought part after the thoughts carries their signature."""
         if self.thoughts and not self.signed:
             self.signed = True
-            part["thoughtSignature"] = mint_signature(self.thoughts)
+            part["thoughtSignature"] = mint_signature("".join(self.thoughts))
         return part
 
     def _complete_calls(self, *, final: bool) -> list[dict[str, Any]]:
         """functionCall parts for calls whose arguments are complete JSON (all remaining ones when ``final``)."""
         parts = []
-        for index, call in sorted(self.calls.items()):
+        for index, call in sorted(self.calls.calls.items()):
             if index in self.sent_calls:
                 continue
-            text = call["arguments"].strip() or ("{}" if final else "")
+            text = call.arguments.strip() or ("{}" if final else "")
             # A JSON object ends with "}": parsing only then keeps a long streamed argument linear.
-            args = _json_object(text) if text.endswith("}") else None
+            args = native.json_object(text) if text.endswith("}") else None
             if args is None and not final:
                 continue
             self.sent_calls.add(index)
             if args is None:  # Gemini's verdict on a call it cannot parse, instead of a broken part
                 self.malformed = True
                 continue
-            parts.append(self._signed({"functionCall": {"name": call["name"], "args": args}}))
+            parts.append(self._signed({"functionCall": {"name": call.name, "args": args}}))
         return parts
 
     def _closing_parts(self) -> list[dict[str, Any]]:
@@ -439,14 +457,6 @@ class Translation:
         return {**body, "modelVersion": self.model, "responseId": self.response_id}
 
 
-def _json_object(text: str) -> dict[str, Any] | None:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
-
-
 def _usage(usage: dict[str, Any]) -> dict[str, Any]:
     prompt, completion = usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0
     thoughts = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
@@ -460,3 +470,51 @@ def _usage(usage: dict[str, Any]) -> dict[str, Any]:
     if cached := (usage.get("prompt_tokens_details") or {}).get("cached_tokens"):
         out["cachedContentTokenCount"] = cached
     return out
+
+
+# --- an answer recorded untranslated, back to Chat Completions (reconstruction) ------------------------------
+
+
+_FINISH = {"STOP": "stop", "MAX_TOKENS": "length"}
+
+
+def to_chat_completion(text: str, streamed: bool) -> dict[str, Any] | None:
+    """A generateContent answer, or the events of a streamed one, as a ``chat.completion`` (contract: native.py)."""
+    if streamed:
+        chunks = native.sse_payloads(text)
+    else:
+        try:
+            chunks = [json.loads(text)]
+        except ValueError:
+            return None
+    content: list[str] = []
+    reasoning: list[str] = []
+    signed: list[str] = []  # reasoning the addon signed into thoughtSignature (Google's own are opaque)
+    calls: list[dict[str, Any]] = []
+    usage: dict[str, Any] = {}
+    finish, model, seen = None, None, False
+    for chunk in chunks:
+        if not isinstance(chunk, dict):
+            continue
+        usage = chunk.get("usageMetadata") or usage
+        model = chunk.get("modelVersion") or model
+        for candidate in (chunk.get("candidates") or [])[:1]:
+            seen = True
+            for part in (candidate.get("content") or {}).get("parts") or []:
+                if not isinstance(part, dict):
+                    continue
+                decoded = read_signature(part.get("thoughtSignature"))
+                if decoded is not None and decoded not in signed:
+                    signed.append(decoded)
+                if isinstance(part.get("text"), str):
+                    (reasoning if part.get("thought") else content).append(part["text"])
+                call = part.get("functionCall")
+                if isinstance(call, dict):
+                    call_id = call.get("id") or f"call_{len(calls)}"
+                    calls.append(native.chat_tool_call(call_id, call.get("name"), call.get("args")))
+            finish = candidate.get("finishReason") or finish
+    if not seen:
+        return None
+    reason = "tool_calls" if calls and finish == "STOP" else _FINISH.get(str(finish), "stop" if finish else None)
+    counts = {"prompt_tokens": usage.get("promptTokenCount"), "completion_tokens": usage.get("candidatesTokenCount")}
+    return native.chat_completion(content, signed or reasoning, calls, reason, counts, model)

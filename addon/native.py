@@ -11,7 +11,13 @@ reads (a spec for :func:`mismatch`), so a malformed body is a 400 naming the fie
 (issue 16; tests/addon/test_fuzz_native.py mutates real bodies to hold it). A :class:`Translation` carries the
 Chat Completions body to send upstream (without token fields: the addon adds those as for any chat
 call) and turns the upstream's answer back into the harness's format, chunk by chunk as it
-streams. Translators are pure: no I/O, no mitmproxy; the addon does the plumbing.
+streams. Translators are pure: no I/O, no mitmproxy; the addon does the plumbing. Each module is one entry of
+the registry in addon/apis.py, and keeps the :class:`Translator` contract below.
+
+What they share is here: :func:`chat_delta` reads a chunk's delta whatever names the upstream gave its fields,
+:class:`ToolCalls` gathers streamed tool-call pieces, and :func:`answer_chunk` turns a non-streamed answer into the
+one chunk each stream machine is fed, so both shapes of an answer come from the same code. The helpers at the end
+turn a native answer recorded untranslated back into a ``chat.completion`` (for reconstruction).
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from addon.sse import SSEDecoder, SSEEvent
 
 REASONING_PREFIX = "polar1:"
 
@@ -156,44 +164,137 @@ class Translation(Protocol):
         """The native error body for an upstream failure (status kept by the addon)."""
 
 
-class ChatStream:
-    """Incremental SSE decoder for an upstream Chat Completions stream: bytes in, chunk dicts out.
+class Translator(Protocol):
+    """A translator module (anthropic.py, responses.py, google.py), as the registry (addon/apis.py) holds it."""
 
-    Network chunks split events anywhere (mid-line, mid-UTF-8); ``decode`` buffers until an event
-    is complete. ``data: [DONE]`` and comments are skipped; an event that is not JSON raises.
+    def start(
+        self, body: dict[str, Any], path: str, headers: dict[str, str], options: Options
+    ) -> Translation | LocalAnswer:
+        """The translation of one request; :class:`BadRequest` for a body it cannot translate."""
+
+    def error_body(self, status: int, message: str, param: str | None = None) -> dict[str, Any]:
+        """An error body in the API's shape (``param``: the offending field, where the API's shape has one)."""
+
+    def to_chat_completion(self, text: str, streamed: bool) -> dict[str, Any] | None:
+        """A native answer recorded untranslated (``polar_translate=never``, capture-only) as a non-streamed
+        ``chat.completion``, or None when it holds no answer. Reconstruction reads it (reconstruct/_extract.py)."""
+
+
+class ChatStream:
+    """Incremental decoder for an upstream Chat Completions stream: bytes in, chunk dicts out.
+
+    Network chunks split events anywhere (mid-line, mid-UTF-8); :class:`SSEDecoder` buffers until an
+    event is complete. ``data: [DONE]`` and comments are skipped; an event that is not JSON raises.
     """
 
     def __init__(self) -> None:
-        self._buffer = b""
+        self._sse = SSEDecoder()
 
     def decode(self, data: bytes) -> Iterator[dict[str, Any]]:
-        self._buffer += data
-        while True:
-            end, sep = _event_end(self._buffer)
-            if end < 0:
-                return
-            event, self._buffer = self._buffer[:end], self._buffer[end + sep :]
-            if chunk := _parse_event(event):
-                yield chunk
+        return _chunks(self._sse.decode(data))
 
     def flush(self) -> Iterator[dict[str, Any]]:
-        event, self._buffer = self._buffer, b""
-        if chunk := _parse_event(event):
-            yield chunk
+        # An upstream that closes right after its last event's data line still sent that event: end it.
+        events = self._sse.decode(b"\n\n")
+        self._sse.flush()
+        return _chunks(events)
 
 
-def _event_end(buffer: bytes) -> tuple[int, int]:
-    """Where the first complete event ends, and the separator's length (-1, 0 when none yet)."""
-    ends = [(i, len(sep)) for sep in (b"\n\n", b"\r\n\r\n") if (i := buffer.find(sep)) >= 0]
-    return min(ends) if ends else (-1, 0)
+def _chunks(events: list[SSEEvent]) -> Iterator[dict[str, Any]]:
+    for event in events:
+        if event.data and event.data != "[DONE]":
+            chunk: dict[str, Any] = json.loads(event.data)  # every event the APIs stream is a JSON object
+            if chunk:
+                yield chunk
 
 
-def _parse_event(event: bytes) -> dict[str, Any] | None:
-    data = b"".join(line[5:].lstrip(b" ") for line in event.splitlines() if line.startswith(b"data:"))
-    if not data or data == b"[DONE]":
-        return None
-    event_body: dict[str, Any] = json.loads(data)  # every event the APIs stream is a JSON object
-    return event_body
+# --- the upstream's answer, as the translators' stream machines read it ------------------------------------
+
+
+@dataclass(slots=True)
+class ChatDelta:
+    """What one upstream chunk adds to the answer, whichever names the upstream gave its fields. Only the first
+    choice: Messages, Responses and generateContent (``candidateCount`` 1) have one answer."""
+
+    reasoning: str  # vLLM's "reasoning", SGLang's (and older vLLM's) "reasoning_content"
+    content: str
+    tool_calls: list[dict[str, Any]]  # pieces of calls, each naming its call by "index"
+    finish_reason: str | None
+    stop_reason: Any  # vLLM: the stop string that ended the answer, if one did
+    token_count: int  # sampled token ids in the chunk (vLLM's token_ids)
+
+
+def chat_delta(chunk: dict[str, Any]) -> ChatDelta | None:
+    """The first choice's delta of a ``chat.completion.chunk``; None when the chunk has none (a usage chunk)."""
+    for choice in chunk.get("choices") or []:
+        if choice.get("index", 0) == 0:
+            delta = choice.get("delta") or {}
+            return ChatDelta(
+                reasoning=delta.get("reasoning") or delta.get("reasoning_content") or "",
+                content=delta.get("content") or "",
+                tool_calls=delta.get("tool_calls") or [],
+                finish_reason=choice.get("finish_reason") or None,
+                stop_reason=choice.get("stop_reason"),
+                token_count=len(choice.get("token_ids") or []),
+            )
+    return None
+
+
+def answer_chunk(response: dict[str, Any]) -> dict[str, Any]:
+    """A non-streamed ``chat.completion`` as the one chunk that streams it: each translator's ``answer`` feeds it to
+    its stream machine, so a streamed and a non-streamed answer are built by the same code."""
+    choice = (response.get("choices") or [{}])[0]
+    message = choice.get("message") or {}
+    delta = {
+        "reasoning": message.get("reasoning") or message.get("reasoning_content"),
+        "content": message.get("content"),
+        "tool_calls": [{**call, "index": i} for i, call in enumerate(message.get("tool_calls") or [])],
+    }
+    fields = {k: choice[k] for k in ("finish_reason", "stop_reason", "token_ids") if k in choice}
+    return {
+        "id": response.get("id"),
+        "prompt_token_ids": response.get("prompt_token_ids"),
+        "choices": [{"index": 0, "delta": delta, **fields}],
+        "usage": response.get("usage"),
+    }
+
+
+@dataclass(slots=True)
+class ToolCall:
+    """One tool call gathered from its streamed pieces."""
+
+    id: str | None
+    name: str
+    arguments: str  # the JSON text so far
+    sent: int = 0  # how much of ``arguments`` has been passed on to the client
+
+    def unsent(self) -> str:
+        """The argument text not yet passed on, now counted as passed on."""
+        text, self.sent = self.arguments[self.sent :], len(self.arguments)
+        return text
+
+
+class ToolCalls:
+    """The tool calls of one answer, gathered from the pieces the upstream streams: a piece names its call by
+    ``index`` (a piece without one starts a new call), the first carries the id and name, the rest argument text."""
+
+    def __init__(self) -> None:
+        self.calls: dict[int, ToolCall] = {}
+
+    def add(self, piece: dict[str, Any]) -> tuple[int, ToolCall]:
+        """The index and the call a piece belongs to, with the piece added."""
+        index = piece.get("index", len(self.calls))
+        function = piece.get("function") or {}
+        call = self.calls.get(index)
+        if call is None:
+            call = self.calls[index] = ToolCall(piece.get("id"), "", "")
+        call.id = call.id or piece.get("id")
+        call.name += function.get("name") or ""
+        call.arguments += function.get("arguments") or ""
+        return index, call
+
+    def __bool__(self) -> bool:
+        return bool(self.calls)
 
 
 def sse(event: str | None, payload: dict[str, Any]) -> bytes:
@@ -245,3 +346,50 @@ def text_of(parts: Any) -> str:
     if isinstance(parts, list):
         return "".join(p.get("text") or "" for p in parts if isinstance(p, dict))
     return ""
+
+
+# --- native answers back to Chat Completions (each module's ``to_chat_completion``) ---------------------------
+
+
+def sse_payloads(text: str) -> list[Any]:
+    """The JSON payloads of a recorded SSE stream, in order; events that do not parse are skipped."""
+    decoder = SSEDecoder()
+    events = decoder.decode(text)
+    decoder.flush()
+    out = []
+    for event in events:
+        try:
+            out.append(json.loads(event.data))
+        except ValueError:
+            continue
+    return out
+
+
+def json_object(text: str) -> dict[str, Any] | None:
+    """The JSON object ``text`` holds (a recorded answer's body, a tool call's arguments), or None when it holds
+    none."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def chat_completion(
+    content: list[str],
+    reasoning: list[str],
+    calls: list[dict[str, Any]],
+    finish: str | None,
+    usage: dict[str, Any] | None,
+    model: Any,
+) -> dict[str, Any]:
+    """A non-streamed ``chat.completion`` with one assistant message made of the pieces an answer held."""
+    message = {"content": "".join(content) or None, "reasoning": "".join(reasoning) or None, "tool_calls": calls}
+    choice = {"index": 0, "message": {"role": "assistant", **message}, "finish_reason": finish}
+    return {"object": "chat.completion", "model": model, "choices": [choice], "usage": usage}
+
+
+def chat_tool_call(call_id: Any, name: Any, arguments: Any) -> dict[str, Any]:
+    """A Chat Completions tool call; ``arguments`` as JSON text, or a value written as JSON text."""
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments or {}, ensure_ascii=False)
+    return {"id": call_id or "", "type": "function", "function": {"name": name or "", "arguments": text}}

@@ -37,7 +37,7 @@ if __package__ in (None, "", "__mitmproxy_script__"):
     # `mitmdump -s addon/polar.py` loads this file as a loose script: make its package importable.
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from addon import chat, native, proxy_errors, reroute, responses, session, translating
+from addon import apis, chat, native, proxy_errors, reroute, responses, session, translating
 from addon.record import FORMAT_VERSION, Body, Exchange
 from addon.writer import CaptureWriter
 
@@ -48,30 +48,6 @@ TRANSLATE = ("auto", "never")
 METADATA_KEY = "polar"
 SALT_FILE = ".session-salt"
 HEALTH_PATH = "/polar/health"  # answered by the addon itself: clients check it before they send model calls
-
-
-def detect_api(path: str, headers: dict[str, str], body: Any) -> str:
-    """The wire API of a request: by path, then the ``anthropic-version`` header, then body shape."""
-    base = path.partition("?")[0].rstrip("/")
-    if chat.is_chat_path(base):
-        return "chat"
-    if base.endswith(("/messages", "/messages/count_tokens")):
-        return "anthropic"
-    if base.endswith("/responses"):
-        return "responses"
-    if base.endswith((":generateContent", ":streamGenerateContent")):
-        return "google"
-    if "anthropic-version" in headers and isinstance(body, dict):  # not Claude Code's HEAD / probe
-        return "anthropic"
-    # Body shapes specific enough not to catch other endpoints (embeddings also send "input").
-    if isinstance(body, dict):
-        if "contents" in body:
-            return "google"
-        if "input" in body and "instructions" in body:
-            return "responses"
-        if "messages" in body and "model" in body and not base.endswith(("/embeddings", "/completions")):
-            return "chat"
-    return "other"
 
 
 def guarded(hook: Callable[..., None]) -> Callable[..., None]:
@@ -269,8 +245,8 @@ class Polar:
     def _refuse_failed_request(self, flow: http.HTTPFlow, e: Exception) -> None:
         """A request hook that raised: answer the model call here and record why; forward nothing else."""
         ex = flow.metadata.get(METADATA_KEY)
-        api = ex.api if isinstance(ex, Exchange) else detect_api(flow.request.path, {}, None)
-        if api == "other" and not isinstance(ex, Exchange):
+        api = ex.api if isinstance(ex, Exchange) else apis.detect_api(flow.request.path, {}, None)
+        if api == apis.OTHER and not isinstance(ex, Exchange):
             return  # not a model call and not recorded: forwarded untouched, as any unknown path
         if isinstance(e, RecursionError):
             status, message = 400, "the request body is nested too deeply to handle"
@@ -324,7 +300,7 @@ class Polar:
         except ValueError:  # a content-encoding we cannot undo: record the bytes as sent
             data = flow.request.raw_content or b""
         request = Body.parse(data)
-        api = detect_api(found.path, headers, request.value)
+        api = apis.detect_api(found.path, headers, request.value)
         if route == reroute.REROUTE and not reroute.is_model_call(flow.request.method, api):
             flow.response = reroute.local_answer(flow.request)  # not a model call: unrecorded, never forwarded
             return
@@ -348,7 +324,7 @@ class Polar:
             flow.response = translating.json_response(503, translating.error_body(ex.api, 503, message))
             return
         flow.metadata[METADATA_KEY] = ex
-        if request.too_deep and api != "other":  # json.loads gave up: answered and recorded, never forwarded
+        if request.too_deep and api != apis.OTHER:  # json.loads gave up: answered and recorded, never forwarded
             message = "the request body is JSON nested too deeply to handle"
             flow.response = translating.json_response(400, translating.error_body(api, 400, message))
             ex.error = {"kind": "request", "message": message}
@@ -365,7 +341,7 @@ class Polar:
         """Translate a native call, or add the token fields to a chat (or vLLM Responses) call."""
         upstream = ex.upstream
         body = ex.request.value
-        if ex.api in translating.NATIVE and self.translate and not to_provider and flow.request.method == "POST":
+        if ex.api in apis.TRANSLATED and self.translate and not to_provider and flow.request.method == "POST":
             ex.request.full()  # a translation reads the whole conversation
             translating.translate_request(flow, ex, headers, self.native_options)
         elif isinstance(body, dict) and (ex.api == "chat" or (ex.api == "responses" and upstream == "vllm")):
@@ -382,7 +358,7 @@ class Polar:
     def _set_upstream_key(self, flow: http.HTTPFlow, where: str | None) -> None:
         if where == "query":
             flow.request.query["key"] = self.upstream_key
-        elif where in ("x-api-key", "x-goog-api-key"):
+        elif where in apis.CREDENTIAL_HEADERS and where != "authorization":
             flow.request.headers[where] = self.upstream_key
         else:
             flow.request.headers["authorization"] = f"Bearer {self.upstream_key}"
@@ -431,7 +407,7 @@ class Polar:
         # Before response headers the upstream failed us; after them, whoever hung up (issue 16).
         upstream_side = ex.status is None or _upstream_broke_off(flow, message)
         wire_api = "chat" if flow.metadata.get(translating.TRANSLATION_KEY) is not None else ex.api
-        if not upstream_side and ex.error is None and _stream_ended(wire_api, ex.chunks):
+        if not upstream_side and ex.error is None and apis.stream_ended(wire_api, ex.chunks):
             # SDKs hang up once they read the final event, sometimes before the upstream's
             # end-of-body reaches the proxy: nothing was lost, the exchange is complete.
             ex.complete = True
@@ -504,15 +480,6 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-# The last event of a finished stream, per wire API, as it appears in the stream's bytes.
-STREAM_END = {
-    "chat": b"data: [DONE]",
-    "anthropic": b"message_stop",
-    "responses": b"response.completed",
-    "google": b'"finishReason"',
-}
-
-
 def _upstream_broke_off(flow: http.HTTPFlow, message: str) -> bool:
     """Whether a stream broke on the upstream's side: mitmproxy names the client when it hangs up ("Client
     disconnected.", "stream reset by client"); otherwise a client still connected did not break it (the upstream's
@@ -520,12 +487,6 @@ def _upstream_broke_off(flow: http.HTTPFlow, message: str) -> bool:
     if "client" in message.lower():
         return False
     return "server" in message.lower() or bool(flow.client_conn.state & connection.ConnectionState.CAN_READ)
-
-
-def _stream_ended(api: str, chunks: list[bytes]) -> bool:
-    marker = STREAM_END.get(api)
-    tail = b"".join(chunks[-3:])[-4096:]
-    return marker is not None and marker in tail
 
 
 # Reroute first: it marks each flow (and rewrites rerouted ones) before Polar's request hook reads it.

@@ -38,15 +38,14 @@ from urllib.parse import urlsplit
 from mitmproxy import connection, ctx, exceptions, http, tls
 from mitmproxy.proxy.mode_specs import ReverseMode
 
-from addon import session
+from addon import apis, session
 
 log = logging.getLogger(__name__)
 
 ROUTE_KEY = "polar_route"
 REROUTE, CAPTURE, PASS = "reroute", "capture", "pass"
 # The provider API hosts a bare upstream URL in polar_reroute stands for.
-PROVIDER_HOSTS = ("api.openai.com", "api.anthropic.com", "generativelanguage.googleapis.com")
-MODEL_APIS = frozenset({"chat", "anthropic", "responses", "google"})
+PROVIDER_HOSTS = apis.PROVIDER_HOSTS
 
 
 @dataclass(frozen=True)
@@ -96,7 +95,8 @@ def proxy_user(value: str) -> str | None:
 
 
 def is_model_call(method: str, api: str) -> bool:
-    return method == "POST" and api in MODEL_APIS
+    """A POST in one of the wire APIs (addon/apis.py): what a rerouted host sends our upstream."""
+    return method == "POST" and api in apis.BY_NAME
 
 
 def local_answer(request: http.Request) -> http.Response:

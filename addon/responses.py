@@ -137,20 +137,8 @@ class Translation:
         return b"".join(self._state.finish(complete, message))
 
     def answer(self, response: dict[str, Any]) -> dict[str, Any]:
-        choice = (response.get("choices") or [{}])[0]
-        message = choice.get("message") or {}
-        delta = {
-            "reasoning": message.get("reasoning") or message.get("reasoning_content"),
-            "content": message.get("content"),
-            "tool_calls": [{**call, "index": i} for i, call in enumerate(message.get("tool_calls") or [])],
-        }
         state = _Answer(self._body, quiet=True)
-        state.feed(
-            {
-                "choices": [{"delta": delta, "finish_reason": choice.get("finish_reason")}],
-                "usage": response.get("usage"),
-            }
-        )
+        state.feed(native.answer_chunk(response))
         state.finish(True)
         return state.response
 
@@ -352,6 +340,7 @@ class _Answer:
         self.started = False
         self.open: tuple[str, int] | None = None  # ("reasoning" | "message" | "call", chat tool-call index)
         self.texts: dict[int, str] = {}  # output index -> reasoning or message text so far
+        self.tool_calls = native.ToolCalls()
         self.calls: dict[int, int] = {}  # chat tool-call index -> output index
         self.finish_reason: str | None = None
         self.ended = False  # the closing events went out
@@ -371,15 +360,14 @@ class _Answer:
         self.begin()
         if chunk.get("usage"):
             self.response["usage"] = _usage(chunk["usage"])
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            if text := delta.get("reasoning") or delta.get("reasoning_content"):
-                self.text("reasoning", text)
-            if text := delta.get("content"):
-                self.text("message", text)
-            for piece in delta.get("tool_calls") or []:
+        if (delta := native.chat_delta(chunk)) is not None:
+            if delta.reasoning:
+                self.text("reasoning", delta.reasoning)
+            if delta.content:
+                self.text("message", delta.content)
+            for piece in delta.tool_calls:
                 self.call(piece)
-            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+            self.finish_reason = delta.finish_reason or self.finish_reason
         out, self.out = self.out, []
         return out
 
@@ -430,29 +418,27 @@ class _Answer:
             )
 
     def call(self, piece: dict[str, Any]) -> None:
-        key = ("call", piece.get("index", 0))
-        function = piece.get("function") or {}
-        if self.open != key:
-            if key[1] in self.calls:
-                raise ValueError(f"the upstream continued tool call {key[1]} after another output had begun")
+        index, call = self.tool_calls.add(piece)
+        if self.open != ("call", index):
+            if index in self.calls:
+                raise ValueError(f"the upstream continued tool call {index} after another output had begun")
             item = {
                 "id": _id("fc"),
                 "type": "function_call",
                 "status": "in_progress",
                 "arguments": "",
-                "call_id": piece.get("id") or _id("call"),
-                "name": function.get("name") or "",
+                "call_id": call.id or _id("call"),
+                "name": call.name,
             }
-            self.calls[key[1]] = self.add(key, item)
-        elif function.get("name"):
-            self.response["output"][-1]["name"] += function["name"]
+            self.calls[index] = self.add(("call", index), item)
         item = self.response["output"][-1]
-        if arguments := function.get("arguments"):
+        item["name"] = call.name
+        if arguments := call.unsent():
             item["arguments"] += arguments
             self.emit(
                 "response.function_call_arguments.delta",
                 item_id=item["id"],
-                output_index=self.calls[key[1]],
+                output_index=self.calls[index],
                 delta=arguments,
             )
 
@@ -534,3 +520,78 @@ def _usage(usage: dict[str, Any]) -> dict[str, Any]:
         },
         "total_tokens": usage.get("total_tokens") or prompt + completion,
     }
+
+
+# --- an answer recorded untranslated, back to Chat Completions (reconstruction) ------------------------------
+
+
+def to_chat_completion(text: str, streamed: bool) -> dict[str, Any] | None:
+    """A Responses answer (vLLM's own /v1/responses, or OpenAI's) as a ``chat.completion`` (contract: native.py).
+
+    Token ids only where the answer has them: vLLM with ``enable_response_messages`` puts the prompt's and the
+    sampled ids on the final response object (``input_messages`` / ``output_messages``, ``raw_message_tokens``),
+    and ``include: ["message.output_text.logprobs"]`` the log-probs of the output text (see
+    :func:`vllm_token_fields`); they are kept when they cover every sampled token.
+    """
+    response = _final_response(text, streamed)
+    if response is None or response.get("status") == "failed":
+        return None
+    content: list[str] = []
+    reasoning: list[str] = []
+    calls: list[dict[str, Any]] = []
+    logprobs: list[Any] = []
+    for item in response.get("output") or []:
+        if not isinstance(item, dict):
+            continue
+        if item.get("type") == "message":
+            for part in item.get("content") or []:
+                if isinstance(part, dict) and part.get("type") == "output_text":
+                    content.append(part.get("text") or "")
+                    logprobs += part.get("logprobs") or []
+        elif item.get("type") == "reasoning":
+            # The addon's own encrypted_content holds the full text; OpenAI's is opaque, its summary not sampled.
+            own = native.read_reasoning(item.get("encrypted_content")) if item.get("encrypted_content") else None
+            reasoning += (
+                [own]
+                if own is not None
+                else [p.get("text") or "" for p in item.get("content") or [] if isinstance(p, dict)]
+            )
+        elif item.get("type") == "function_call":
+            calls.append(native.chat_tool_call(item.get("call_id"), item.get("name"), item.get("arguments")))
+    incomplete = response.get("status") == "incomplete"
+    finish = "length" if incomplete else "tool_calls" if calls else "stop"
+    usage = u if isinstance(u := response.get("usage"), dict) else {}
+    counts = {"prompt_tokens": usage.get("input_tokens"), "completion_tokens": usage.get("output_tokens")}
+    body = native.chat_completion(content, reasoning, calls, finish, counts, response.get("model"))
+    prompt, sampled = _raw_tokens(response.get("input_messages")), _raw_tokens(response.get("output_messages"))
+    if prompt and sampled:
+        body["prompt_token_ids"] = prompt
+        body["choices"][0]["token_ids"] = sampled
+        # Only text has log-probs in the Responses API: with reasoning or tool calls they cover part of the ids,
+        # and a call then has none (the trainer recomputes them).
+        if len(logprobs) == len(sampled):
+            body["choices"][0]["logprobs"] = {"content": logprobs}
+    return body
+
+
+def _final_response(text: str, streamed: bool) -> dict[str, Any] | None:
+    if not streamed:
+        return native.json_object(text)
+    final = None
+    for event in native.sse_payloads(text):
+        done = ("response.completed", "response.incomplete", "response.failed")
+        if isinstance(event, dict) and event.get("type") in done and isinstance(event.get("response"), dict):
+            final = event["response"]
+    return final
+
+
+def _raw_tokens(messages: Any) -> list[int] | None:
+    if not isinstance(messages, list) or not messages:
+        return None
+    ids: list[int] = []
+    for m in messages:
+        tokens = m.get("tokens") if isinstance(m, dict) and m.get("type") == "raw_message_tokens" else None
+        if not isinstance(tokens, list):
+            return None
+        ids += tokens
+    return ids

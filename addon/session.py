@@ -24,6 +24,8 @@ import re
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlencode
 
+from addon import apis
+
 SESSION_HEADER = "x-polar-session"
 SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 PATH_PREFIX = re.compile(r"^/s/([^/?]+)(/.*|$)")
@@ -37,7 +39,7 @@ SECRET_QUERY_NAMES = frozenset(
     ("key", "api_key", "apikey", "x_api_key", "access_token", "accesstoken", "token", "auth", "auth_token",
      "id_token", "refresh_token", "session_token", "secret", "client_secret", "password", "bearer")
 )  # fmt: skip
-CREDENTIAL_HEADERS = ("authorization", "x-api-key", "x-goog-api-key")
+CREDENTIAL_HEADERS = apis.CREDENTIAL_HEADERS  # each wire API's key header
 # Never recorded: credentials and cookies.
 PRIVATE_HEADERS = frozenset((*CREDENTIAL_HEADERS, "cookie", "proxy-authorization", "api-key"))
 
@@ -88,8 +90,8 @@ def _client_key(headers: dict[str, str], query_key: str | None) -> tuple[str | N
     auth = headers.get("authorization", "")
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip(), "authorization"
-    for name in ("x-api-key", "x-goog-api-key"):
-        if value := headers.get(name, "").strip():
+    for name in CREDENTIAL_HEADERS:
+        if name != "authorization" and (value := headers.get(name, "").strip()):  # the key as it is
             return value, name
     if query_key:
         return query_key, "query"

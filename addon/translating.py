@@ -16,13 +16,11 @@ from typing import Any
 
 from mitmproxy import http
 
-from addon import anthropic, chat, google, native, responses
+from addon import apis, chat, native
 from addon.record import Body, Exchange, merge_fields
 
 log = logging.getLogger(__name__)
 
-# One module per wire API a harness may speak besides Chat Completions.
-NATIVE = {"anthropic": anthropic, "responses": responses, "google": google}
 CHAT_PATH = "/v1/chat/completions"
 TRANSLATION_KEY = "polar_translation"
 
@@ -107,14 +105,13 @@ def install() -> None:
 
 def translate_request(flow: http.HTTPFlow, ex: Exchange, headers: dict[str, str], options: native.Options) -> None:
     """Send a native call upstream as one Chat Completions call, with the token fields."""
-    module = NATIVE[ex.api]
+    module = apis.TRANSLATED[ex.api]
     try:
         if not isinstance(ex.request.value, dict):
             raise native.BadRequest("the request body is not a JSON object")
         started = module.start(ex.request.value, ex.path, headers, options)
     except native.BadRequest as e:
-        body = responses.error_body(400, str(e), e.param) if module is responses else module.error_body(400, str(e))
-        flow.response = json_response(400, body)
+        flow.response = json_response(400, module.error_body(400, str(e), e.param))
         ex.error = {"kind": "translate", "message": str(e)}
         return
     except Exception as e:  # noqa: BLE001 - a body the field checks passed and the translator choked on: never forwarded
@@ -172,9 +169,8 @@ def translate_answer(flow: http.HTTPFlow, ex: Exchange, translation: native.Tran
 
 def error_body(api: str, status: int, message: str) -> dict[str, Any]:
     """An error body in the shape of the client's API."""
-    if api in NATIVE:
-        body: dict[str, Any] = NATIVE[api].error_body(status, message)
-        return body
+    if (module := apis.TRANSLATED.get(api)) is not None:
+        return module.error_body(status, message)
     return chat.error_body(status, message)
 
 

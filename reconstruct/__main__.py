@@ -107,12 +107,12 @@ def build(config: Build) -> None:
     from tqdm import tqdm
 
     from reconstruct._build import parse_shard, reconstruct, stats_path, write_trajectories
-    from reconstruct._io import read_sessions
+    from reconstruct._io import read_session_tasks
     from reconstruct._retokenize import parse_eot
 
     tokenizer = _tokenizer(config.tokenizer) if config.tokenizer else None
     eot = parse_eot(config.eot_token, tokenizer) if config.eot_token else None
-    sessions = read_sessions(config.sessions) if config.sessions else None
+    sessions = read_session_tasks(config.sessions) if config.sessions else None
     started = time.perf_counter()
     df, stats = reconstruct(
         list(config.captures),

@@ -21,11 +21,11 @@ from typing import Any
 
 import polars as pl
 
-from reconstruct import schema
+from reconstruct import files, schema
 from reconstruct._calls import Call
 from reconstruct._errors import ConfigError
 from reconstruct._extract import check_prompt_count, extract
-from reconstruct._io import CaptureIndex, discover, json_text, write_text_atomic
+from reconstruct._io import CaptureIndex, discover, json_text
 from reconstruct._json import dumps
 from reconstruct._merge import Trace, merge, vote_eot
 from reconstruct._retokenize import Retokenizer
@@ -256,5 +256,5 @@ def stats_path(trajectories: Path) -> Path:
 def write_trajectories(df: pl.DataFrame, stats: Stats, path: Path) -> Path:
     """The table (atomically, via reconstruct.schema) and its stats file next to it."""
     schema.write(df, path)
-    write_text_atomic(stats_path(path), json_text(stats.to_dict()))
+    files.write_atomic(stats_path(path), json_text(stats.to_dict()).encode())
     return path

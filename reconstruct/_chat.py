@@ -24,9 +24,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from addon.sse import SSEDecoder, SSEEvent
 from reconstruct._calls import Completion
 from reconstruct._json import dumps, loads
-from reconstruct._sse import SSEDecoder, SSEEvent
 from reconstruct._tokens import TokenText, cut_array, find_array
 
 __all__ = ["ChatAssembler"]

@@ -1,14 +1,15 @@
 """From one capture record to the model calls it holds, per wire API.
 
-``EXTRACTORS`` maps a record's ``api`` to a function ``(record, retokenizer) -> list[Call]``:
+``EXTRACTORS`` maps a record's ``api`` to a function ``(record, retokenizer) -> list[Call]``, one per wire API
+of the addon's registry (addon/apis.py):
 
 - ``chat``: the upstream exchange is Chat Completions (``ChatAssembler``): vLLM or SGLang, streamed or not.
-- ``anthropic``, ``responses``, ``google``: once the addon translates these (issue 3), the record carries the
-  Chat Completions exchange it had with the upstream (``upstream_request`` and ``response_body``), and the chat
-  extractor reads it. A record of a native call that was passed through untranslated goes through a converter
-  to Chat Completions form (reconstruct/_native.py: token ids from vLLM's Responses API, else retokenized);
-  ``register_native(api, converter)`` replaces one, where ``converter(record)`` returns the record rewritten as
-  a chat exchange (or None when it cannot).
+- an API with a translator (``anthropic``, ``responses``, ``google``): once the addon translates it, the record
+  carries the Chat Completions exchange it had with the upstream (``upstream_request`` and ``response_body``),
+  and the chat extractor reads it. A record of a native call passed through untranslated (``polar_translate=
+  never``, or transparent capture-only mode in front of a closed API) is rewritten as a chat exchange first
+  (:func:`convert_untranslated`); ``register_native(api, converter)`` replaces that for one API, where
+  ``converter(record)`` returns the record rewritten as a chat exchange (or None when it cannot).
 - Records of other paths (``/v1/models``, ``count_tokens``) are not model calls: ``extract`` returns None.
 
 Pure: no I/O (the tokenizer, when given, is already loaded).
@@ -17,22 +18,31 @@ Pure: no I/O (the tokenizer, when given, is already loaded).
 from __future__ import annotations
 
 import base64
+import functools
 from collections.abc import Callable
 from typing import Any
 
+from addon import apis, native
 from addon.record import upstream_body
-from reconstruct import _native
 from reconstruct._calls import Call, Completion, Problem, Request
 from reconstruct._chat import ChatAssembler
 from reconstruct._errors import RetokenizeError
 from reconstruct._io import has_upstream_request
+from reconstruct._json import dumps
 from reconstruct._retokenize import Retokenizer
 from reconstruct._tokens import TokenText
 
-__all__ = ["EXTRACTORS", "NATIVE_CONVERTERS", "check_prompt_count", "extract", "register_native"]
+__all__ = [
+    "EXTRACTORS",
+    "NATIVE_CONVERTERS",
+    "check_prompt_count",
+    "convert_untranslated",
+    "extract",
+    "register_native",
+]
 
 Extractor = Callable[[dict[str, Any], Retokenizer | None], list[Call]]
-NATIVE_CONVERTERS: dict[str, Callable[[dict[str, Any]], dict[str, Any] | None]] = dict(_native.CONVERTERS)
+Converter = Callable[[dict[str, Any]], dict[str, Any] | None]
 
 # Notes a call can carry, counted in the stats.
 IDS_DISAGREE = "captured ids disagree with usage"  # the upstream dropped ids (vllm#27482): rebuilt or dropped
@@ -48,8 +58,53 @@ def extract(record: dict[str, Any], retokenizer: Retokenizer | None) -> list[Cal
     return extractor(record, retokenizer)
 
 
-def register_native(api: str, converter: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
+def register_native(api: str, converter: Converter) -> None:
     NATIVE_CONVERTERS[api] = converter
+
+
+# Upstream modes (the record's ``upstream``) whose usage counts tokens the way our tokenizer would.
+_OPEN_UPSTREAMS = ("vllm", "sglang")
+_OPTIONS = native.Options(model="", upstream="vllm")
+
+
+def convert_untranslated(record: dict[str, Any], translator: native.Translator) -> dict[str, Any] | None:
+    """A native call recorded untranslated, as the Chat Completions exchange the chat extractor reads; None when
+    the request does not translate or the answer holds nothing.
+
+    - ``upstream_request``: the Chat Completions body the addon's own translator makes of the native request, so
+      retokenization renders what a translated call would have sent;
+    - ``response_body``: the translator's ``to_chat_completion`` of the native answer, streamed or not: the
+      assistant message, its finish reason, token ids only where the answer has them (vLLM's Responses API), and
+      usage only when the upstream is an open server (a closed API counts with another tokenizer).
+    """
+    request, text = record.get("request"), record.get("response_body")
+    if not isinstance(request, dict) or not isinstance(text, str) or record.get("status") != 200:
+        return None
+    try:
+        translation = translator.start(request, str(record.get("path") or ""), {}, _OPTIONS)
+    except native.BadRequest:
+        return None
+    if isinstance(translation, native.LocalAnswer):  # count_tokens answers locally: not a model call
+        return None
+    body = translator.to_chat_completion(text, bool(record.get("streamed")))
+    if body is None:
+        return None
+    if record.get("upstream") not in _OPEN_UPSTREAMS:
+        body.pop("usage", None)
+    return {
+        **record,
+        "upstream_request": translation.chat_body,
+        "injected": {},
+        "response_body": dumps(body),
+        "streamed": False,
+    }
+
+
+NATIVE_CONVERTERS: dict[str, Converter] = {
+    api.name: functools.partial(convert_untranslated, translator=api.translator)
+    for api in apis.APIS
+    if api.translator is not None
+}
 
 
 def extract_translated(record: dict[str, Any], retokenizer: Retokenizer | None) -> list[Call]:
@@ -208,8 +263,5 @@ def _response_text(record: dict[str, Any]) -> str | None:
 
 
 EXTRACTORS: dict[str, Extractor] = {
-    "chat": extract_chat,
-    "anthropic": extract_translated,
-    "responses": extract_translated,
-    "google": extract_translated,
+    api.name: extract_chat if api.translator is None else extract_translated for api in apis.APIS
 }

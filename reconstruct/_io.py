@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,8 +25,8 @@ __all__ = [
     "discover",
     "has_upstream_request",
     "parse_record",
+    "read_session_tasks",
     "read_sessions",
-    "write_text_atomic",
 ]
 
 BLOCK = 8 << 20
@@ -273,7 +272,7 @@ def has_upstream_request(record: dict[str, Any]) -> bool:
     return record.get("upstream_request") is not None
 
 
-def read_sessions(path: Path) -> dict[str, tuple[str | None, int | None]]:
+def read_session_tasks(path: Path) -> dict[str, tuple[str | None, int | None]]:
     """session_id -> (task_id, sample_id) from a sessions table (``python -m eval`` writes one per run:
     ``session_id``, ``task_id``, ``sample_id`` and more columns, which are ignored)."""
     try:
@@ -291,17 +290,9 @@ def read_sessions(path: Path) -> dict[str, tuple[str | None, int | None]]:
     return {str(s): (t, n) for s, t, n in zip(df["session_id"].cast(pl.String).to_list(), tasks, samples, strict=True)}
 
 
-def write_text_atomic(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+# eval/join.py's name for read_session_tasks until it imports the public one (reconstruct.read_session_tasks);
+# eval.runs.read_sessions reads a run's whole sessions table, which is another thing.
+read_sessions = read_session_tasks
 
 
 def json_text(value: Any) -> str:

@@ -7,7 +7,7 @@ results, template glue between turns: ``loss_mask`` 0). The trainer reads only
 ``session_id, task_id, prompt_ids, response_ids, loss_mask, logprobs, reward``.
 
 Format version 1, stored in the Parquet key-value metadata under ``polar.trajectory.version``.
-Writes are atomic (temporary file, then rename) and deterministic (same rows, same bytes).
+Writes are atomic and deterministic (same rows, same bytes): reconstruct/files.py.
 
 Written by ``python -m reconstruct`` (reconstruct/_merge.py has the algorithm). Notes on some columns:
 
@@ -24,11 +24,11 @@ Written by ``python -m reconstruct`` (reconstruct/_merge.py has the algorithm). 
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import polars as pl
+
+from reconstruct import files
 
 FORMAT_VERSION = 1
 VERSION_KEY = "polar.trajectory.version"
@@ -71,49 +71,20 @@ class SchemaError(ValueError):
 
 def conform(df: pl.DataFrame, *, source: str = "table") -> pl.DataFrame:
     """``df`` with exactly SCHEMA's columns, in order and cast to its types; refuses missing or extra ones."""
-    missing = [c for c in SCHEMA if c not in df.columns]
-    extra = [c for c in df.columns if c not in SCHEMA]
-    if missing or extra:
-        raise SchemaError(f"{source}: missing columns {missing}, unexpected columns {extra}")
-    try:
-        return df.select([pl.col(name).cast(dtype, strict=True) for name, dtype in SCHEMA.items()])
-    except pl.exceptions.InvalidOperationError as e:
-        raise SchemaError(f"{source}: a column does not cast to the trajectory schema: {e}") from e
+    return files.conform_table(df, SCHEMA, source=source, kind="trajectory", error=SchemaError)
 
 
 def write(df: pl.DataFrame, path: Path) -> Path:
     """Write ``df`` to ``path`` atomically: readers never see a half-written file."""
-    table = conform(df, source=str(path))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        table.write_parquet(
-            tmp,
-            compression="zstd",
-            statistics=False,  # min/max statistics would make the bytes depend on nothing useful
-            metadata={VERSION_KEY: str(FORMAT_VERSION)},
-        )
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return files.write_versioned_parquet(conform(df, source=str(path)), Path(path), VERSION_KEY, FORMAT_VERSION)
 
 
 def read(path: Path, columns: list[str] | tuple[str, ...] | None = None) -> pl.DataFrame:
     """Read a trajectory file, checking its version and (only) the requested columns."""
-    path = Path(path)
-    try:
-        metadata = pl.read_parquet_metadata(path)
-    except (OSError, pl.exceptions.ComputeError) as e:
-        raise SchemaError(f"{path}: not a readable Parquet file: {e}") from e
-    version = metadata.get(VERSION_KEY)
-    if version != str(FORMAT_VERSION):
-        raise SchemaError(f"{path}: trajectory format version {version!r}, expected {FORMAT_VERSION}")
     wanted = list(columns) if columns is not None else list(SCHEMA)
-    df = pl.read_parquet(path, columns=wanted)
+    df = files.read_versioned_parquet(
+        path, VERSION_KEY, FORMAT_VERSION, kind="trajectory", error=SchemaError, columns=wanted
+    )
     for name in wanted:
         if name not in SCHEMA:
             raise SchemaError(f"{path}: {name!r} is not a trajectory column")

@@ -58,12 +58,13 @@ def client(proxy, session):
     return anthropic.Anthropic(base_url=proxy.url, api_key=session, max_retries=0, timeout=60)
 
 
-def create(messages, *, stream, **kwargs):
-    """One message, streamed (read to its end) or not; ``messages`` is ``c.messages`` or ``c.beta.messages``."""
+def create(endpoint, *, stream, **kwargs):
+    """One message, streamed (read to its end) or not; ``endpoint`` is ``c.messages`` or ``c.beta.messages`` (not
+    named ``messages``: that is a field of the request in ``kwargs``)."""
     if stream:
-        with messages.stream(**kwargs) as events:
+        with endpoint.stream(**kwargs) as events:
             return events.get_final_message()
-    return messages.create(**kwargs)
+    return endpoint.create(**kwargs)
 
 
 def two_turns(c, *, stream):

@@ -12,14 +12,15 @@ from transformers import AutoTokenizer
 from reconstruct import (
     CaptureError,
     ConfigError,
-    parse_shard,
-    read_sessions,
+    Stats,
+    file_stats,
+    read_session_tasks,
     reconstruct,
     schema,
     stats_path,
     write_trajectories,
 )
-from reconstruct._stats import Stats, file_stats
+from reconstruct._build import parse_shard
 from tests.reconstruct.conftest import EXPECTED_CALLS, S, oracle
 
 
@@ -140,7 +141,7 @@ def test_sessions_table_fills_task_and_sample(folder, captures, tokenizer, tmp_p
         {"session_id": [S.retry, S.subagents], "task_id": ["t1", "t2"], "sample_id": [0, 3], "harness": ["pi", "qwen"]}
     )
     table.write_parquet(tmp_path / "sessions.parquet")
-    sessions = read_sessions(tmp_path / "sessions.parquet")
+    sessions = read_session_tasks(tmp_path / "sessions.parquet")
     assert sessions == {S.retry: ("t1", 0), S.subagents: ("t2", 3)}
     df, _ = reconstruct([folder], sessions=sessions)
     got = df.group_by("session_id").agg(pl.col("task_id").first(), pl.col("sample_id").first())
@@ -151,10 +152,10 @@ def test_sessions_table_fills_task_and_sample(folder, captures, tokenizer, tmp_p
     }
     pl.DataFrame({"session_id": ["a"]}).write_parquet(tmp_path / "bad.parquet")
     with pytest.raises(ConfigError, match="task_id"):
-        read_sessions(tmp_path / "bad.parquet")
+        read_session_tasks(tmp_path / "bad.parquet")
     pl.DataFrame({"session_id": ["a", "a"], "task_id": ["x", "y"]}).write_parquet(tmp_path / "twice.parquet")
     with pytest.raises(ConfigError, match="more than once"):
-        read_sessions(tmp_path / "twice.parquet")
+        read_session_tasks(tmp_path / "twice.parquet")
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from reconstruct import ChatAssembler
+from reconstruct._chat import ChatAssembler
 from tests.reconstruct.conftest import S, oracle
 
 

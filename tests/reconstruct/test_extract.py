@@ -6,8 +6,10 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from reconstruct import EXTRACTORS, Problem, Retokenizer, extract, register_native
-from reconstruct._extract import IDS_DISAGREE, NATIVE_CONVERTERS
+from reconstruct import register_native
+from reconstruct._calls import Problem
+from reconstruct._extract import EXTRACTORS, IDS_DISAGREE, NATIVE_CONVERTERS, extract
+from reconstruct._retokenize import Retokenizer
 from tests.reconstruct.conftest import S, oracle
 
 

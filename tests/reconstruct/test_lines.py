@@ -4,8 +4,7 @@ import json
 
 import pytest
 
-from reconstruct import LineIndexer, LineRef, parse_head
-from reconstruct._lines import HEAD_BYTES
+from reconstruct._lines import HEAD_BYTES, LineIndexer, LineRef, parse_head
 
 
 def lines_of(data, chunks):

@@ -4,8 +4,11 @@ then the algorithm's corner cases (siblings, forks, drift without an end-of-turn
 import pytest
 from transformers import AutoTokenizer
 
-from reconstruct import Call, Retokenizer, TokenText, extract, merge, vote_eot
-from reconstruct._calls import Request
+from reconstruct._calls import Call, Request
+from reconstruct._extract import extract
+from reconstruct._merge import merge, vote_eot
+from reconstruct._retokenize import Retokenizer
+from reconstruct._tokens import TokenText
 from tests.reconstruct.conftest import EXPECTED_CALLS, S, oracle
 
 EOT = 2  # <|im_end|> in the tiny tokenizer

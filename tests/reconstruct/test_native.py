@@ -1,4 +1,5 @@
-"""reconstruct/_native.py: native-API calls recorded untranslated (``polar_translate=never``, capture-only).
+"""Native-API calls recorded untranslated (``polar_translate=never``, capture-only), converted by each translator's
+to_chat_completion (addon/anthropic.py, responses.py, google.py) through reconstruct/_extract.py.
 
 Captures come from real proxies and SDKs. vLLM's own Responses API returns the token ids itself (the reference
 server's /v1/responses answers like vLLM's with ``enable_response_messages``, which the addon asks for). For

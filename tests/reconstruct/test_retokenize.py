@@ -5,7 +5,8 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from reconstruct import RetokenizeError, Retokenizer, detect_eot, parse_eot
+from reconstruct import RetokenizeError
+from reconstruct._retokenize import Retokenizer, detect_eot, parse_eot
 from tests.reconstruct.conftest import oracle
 
 pytestmark = pytest.mark.slow  # the captures fixture: a reference server and two mitmdumps

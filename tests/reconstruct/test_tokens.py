@@ -4,8 +4,7 @@ import json
 
 import pytest
 
-from reconstruct import TokenText, cut_array
-from reconstruct._tokens import find_array
+from reconstruct._tokens import TokenText, cut_array, find_array
 
 
 def test_prefix_is_by_token_not_by_character():

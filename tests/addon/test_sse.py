@@ -1,10 +1,10 @@
-"""reconstruct/_sse.py: the event-stream splitter, fed at every awkward boundary."""
+"""addon/sse.py: the event-stream splitter the translators and reconstruction share, fed at every awkward boundary."""
 
 import random
 
 import pytest
 
-from reconstruct import SSEDecoder, SSEEvent
+from addon.sse import SSEDecoder, SSEEvent
 
 # Every line ending, a comment, a named event, a multi-line data field, an id, a field without a colon,
 # multi-byte UTF-8 (2, 3 and 4 bytes) and JSON with a "\n\n" inside a string (escaped, so not a separator).

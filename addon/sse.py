@@ -6,7 +6,9 @@
 
 Follows the WHATWG event-stream rules: lines end in CRLF, LF or CR; ``data:`` lines of one event are joined
 with newlines; ``:`` starts a comment; a blank line dispatches; an event still open at the end of the stream
-is discarded (a broken stream's last event is incomplete JSON). Pure: no I/O.
+is discarded (a broken stream's last event is incomplete JSON). Pure: no I/O, standard library only, so the addon
+(``native.ChatStream``, the untranslated-answer converters) and reconstruction (``reconstruct._chat``) split streams
+the same way.
 """
 
 from __future__ import annotations
