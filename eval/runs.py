@@ -20,6 +20,8 @@ from pathlib import Path
 
 import polars as pl
 
+from eval.errors import EvalError
+
 FORMAT_VERSION = 1
 VERSION_KEY = "polar.run.version"
 
@@ -62,7 +64,7 @@ REWARDS_SCHEMA = pl.Schema(
 )
 
 
-class RunError(ValueError):
+class RunError(EvalError):
     """A run table that does not match its schema; the message names the file and the column."""
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from eval.models import build_tiny
-from eval.services import ReferenceServer
+from eval.procs import ReferenceServer
+from eval.upstream.models import build_tiny
 
 
 @pytest.fixture(scope="session")

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import tyro
 
-from eval.models import build_tiny
+from eval.procs import Mitmdump, ReferenceServer, free_port
 from eval.rollout import instruction
-from eval.rollout_service import Args as ServiceArgs
-from eval.rollout_service import serve
-from eval.services import Mitmdump, ReferenceServer, free_port
+from eval.service.app import Args as ServiceArgs
+from eval.service.app import serve
 from eval.tasks import load_tasks
+from eval.upstream.models import build_tiny
 
 AGENT = Path(__file__).resolve().parent / "responses_api_agents" / "polar_swe_agent"
 sys.path.insert(0, str(AGENT))

@@ -6,10 +6,10 @@ the capture file's size: writes past it fail with EFBIG (a short write first) ex
 raising it again is space returning, without root or a filesystem of our own.
 """
 
-import sys
 import re
 import resource
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,11 +18,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from eval import rollout, rollout_service
-from eval.services import Mitmdump, ProxyNotRecording, Service, check_proxy, free_port
-from tests.bench.upstream import make_server
+from eval import rollout
+from eval.procs import Mitmdump, ProxyNotRecording, Service, check_proxy, free_port
+from eval.service import app as rollout_service
 from tests import http
 from tests.bench.reliability import read_records
+from tests.bench.upstream import make_server
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +69,9 @@ def test_a_proxy_whose_addon_did_not_load_is_refused_by_every_client(upstream, t
         with pytest.raises(ProxyNotRecording, match="not loaded") as raised:
             check_proxy(proxy.url)
         assert raised.value.answered
-        args = rollout.Args(tasks="toy", harness="shell", command="true {instruction}", proxy=proxy.url, out=tmp_path / "run")
+        args = rollout.Args(
+            tasks="toy", harness="shell", command="true {instruction}", proxy=proxy.url, out=tmp_path / "run"
+        )
         with pytest.raises(ProxyNotRecording, match="GET /polar/health"):
             rollout.main(args)
         assert not (tmp_path / "run" / "sessions.parquet").exists()
@@ -124,7 +127,9 @@ class Clients:
                 n += 1
                 body = {"model": "m", "messages": [{"role": "user", "content": "y" * 20_000}]}
                 try:
-                    status = client.post(f"{self.url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {session}"}).status_code
+                    status = client.post(
+                        f"{self.url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {session}"}
+                    ).status_code
                 except httpx.HTTPError:
                     status = None
                 self.answers.append((session, status, time.monotonic()))
@@ -166,7 +171,9 @@ def test_a_full_disk_under_8_clients_recovers_and_shutdown_while_full_names_what
             wait_for(lambda: sum(s == 503 for _, s, _ in clients.answers) >= 16, "refusals")
             freed = time.monotonic()
             free_disk(mitm.proc.pid)
-            wait_for(lambda: any(s == 200 and t > freed for _, s, t in clients.answers[-50:]), "answers after space returned")
+            wait_for(
+                lambda: any(s == 200 and t > freed for _, s, t in clients.answers[-50:]), "answers after space returned"
+            )
             wait_for(lambda: sum(s == 200 and t > freed for _, s, t in clients.answers) >= 16, "recording to go on")
         finally:
             clients.close()
@@ -209,8 +216,14 @@ def test_a_full_disk_under_8_clients_recovers_and_shutdown_while_full_names_what
 def test_deep_json_and_secrets_over_the_wire(upstream, tmp_path):
     with Mitmdump(upstream, tmp_path / "captures", log=tmp_path / "mitmdump.log") as mitm:
         deep = b'{"model": "m", "max_tokens": 5, "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"
-        r = http.post(f"{mitm.url}/v1/messages", content=deep, headers={"x-api-key": "sess-deep", "content-type": "application/json"})
-        assert r.status_code == 400 and r.json()["type"] == "error" and "nested too deeply" in r.json()["error"]["message"]
+        r = http.post(
+            f"{mitm.url}/v1/messages",
+            content=deep,
+            headers={"x-api-key": "sess-deep", "content-type": "application/json"},
+        )
+        assert (
+            r.status_code == 400 and r.json()["type"] == "error" and "nested too deeply" in r.json()["error"]["message"]
+        )
         secret = "sk-proj-WIRESECRET"
         for path, headers in [
             (f"/v1/chat/completions?API_KEY={secret}", {}),

@@ -20,7 +20,7 @@ from typing import Any
 import openai
 import pytest
 
-from eval.services import Mitmdump, Service, free_port
+from eval.procs import Mitmdump, Service, free_port
 
 SCRIPT = [
     {

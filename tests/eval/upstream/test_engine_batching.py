@@ -5,7 +5,7 @@ A ``ForwardGate`` wraps the model's forward: it records each call's input shape 
 only as permits are given, so a test can queue requests behind a paused scheduler or stop it at a known step.
 
 The prefix cache is off here: these tests count forward passes and compare each batched row with the same request
-run alone before, which the cache would answer without a prefill (tests/eval/test_prefix_cache.py tests it).
+run alone before, which the cache would answer without a prefill (tests/eval/upstream/test_prefix_cache.py tests it).
 """
 
 import threading
@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from eval.engine import Engine, Sampling, Step, generate
+from eval.upstream.engine import Engine, Sampling, Step, generate
 
 WORDS = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen".split()
 

@@ -44,31 +44,29 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import psutil  # accelerate's dependency: the process tree of a phase, whose harnesses run in sessions of their own
-import tyro
 from rich.console import Console
 
-from eval import demo_report
-from eval.harnesses import Name
-from eval.models import build_smollm2
-from eval.services import Mitmdump, ReferenceServer
+from eval.demo import report as demo_report
+from eval.errors import EvalError
+from eval.harness.presets import PRESETS, Name
+from eval.procs import Mitmdump, ReferenceServer, stop_tree
 from eval.tasks import TOY_DIR, TOY_REPO_OWNER
+from eval.upstream.models import build_smollm2
 
 console = Console()
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
-NO_TOKEN_CAP = ("codex", "gemini", "shell")  # harness presets that cannot cap a call's output tokens
 
 
 @dataclasses.dataclass
-class Config:
+class Args:
     """Teach, then GRPO rounds, each measured; the defaults fit about 20 minutes on 2 cores with SmolLM2-135M."""
 
     # ---- model, harness, tasks
     model: Path | None = None
     """Local HF model dir with a chat template; default: SmolLM2-135M-Instruct built offline into models/smollm2."""
     harness: Name = "mini"
-    """Harness preset (eval/harnesses.py): mini (eval/mini.py), or an npm CLI such as pi."""
+    """Harness preset (eval/harness/presets.py): mini (eval/harness/mini.py), or an npm CLI such as pi."""
     teach: tuple[str, ...] = ("polar-toy__retries-1", "polar-toy__palette-1", "polar-toy__greeting-1")
     """Toy tasks whose worked session (eval/toy/<name>/teacher.json) is replayed once each for SFT."""
     tasks: tuple[str, ...] = ("polar-toy__retries-1", "polar-toy__palette-1")
@@ -148,7 +146,7 @@ class Config:
             raise ValueError(f"{sorted(overlap)}: a held-out task cannot be trained on (--tasks) or taught (--teach)")
         for task in self.teach:
             teacher_messages(task)  # refuses a task without a worked session now, not after the model build
-        if self.harness in NO_TOKEN_CAP and self.max_tokens is not None:
+        if not PRESETS[self.harness].token_cap and self.max_tokens is not None:
             raise ValueError(
                 f"--harness {self.harness} cannot cap output tokens: add --max-tokens None (MAX_TOKENS=None)"
             )
@@ -159,7 +157,7 @@ def teacher_messages(instance_id: str) -> list[dict[str, Any]]:
     name = instance_id.removeprefix(f"{TOY_REPO_OWNER}__").rsplit("-", 1)[0]
     path = TOY_DIR / name / "teacher.json"
     if not path.is_file():
-        raise ValueError(f"--teach {instance_id}: no worked session at {path} (only toy tasks with one can teach)")
+        raise EvalError(f"--teach {instance_id}: no worked session at {path} (only toy tasks with one can teach)")
     return json.loads(path.read_text())
 
 
@@ -234,7 +232,7 @@ def run_processes(*cmds: list[str | Path], logs: list[Path | None] | None = None
         codes = [proc.wait() for _, proc, _ in procs]
     except BaseException:
         for _, proc, _ in procs:
-            stop_tree(proc)
+            stop_tree(proc, grace=5)
         raise
     finally:
         for _, _, out in procs:
@@ -243,20 +241,6 @@ def run_processes(*cmds: list[str | Path], logs: list[Path | None] | None = None
     for (cmd, _, _), code in zip(procs, codes, strict=True):
         if code != 0:
             raise PhaseFailed(f"exit status {code}: {command_line(cmd)}")
-
-
-def stop_tree(proc: subprocess.Popen) -> None:
-    """SIGTERM to a process and all its descendants (harness sessions have their own process groups), then SIGKILL."""
-    with contextlib.suppress(psutil.NoSuchProcess):
-        parent = psutil.Process(proc.pid)
-        procs = [parent, *parent.children(recursive=True)]
-        for p in procs:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.terminate()
-        for p in psutil.wait_procs(procs, timeout=5)[1]:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-    proc.wait()
 
 
 def load_adapter(server_url: str, name: str, adapter: Path) -> None:
@@ -269,7 +253,7 @@ def load_adapter(server_url: str, name: str, adapter: Path) -> None:
         response.read()
 
 
-def accelerate(script: str, config: Config, *args: str | Path) -> list[str | Path]:
+def accelerate(script: str, config: Args, *args: str | Path) -> list[str | Path]:
     """A trainer launch; callers pass --no-gradient-checkpointing: a 135M model's activations fit in memory, and
     recomputing them costs a third more CPU time."""
     return [
@@ -287,7 +271,7 @@ def accelerate(script: str, config: Config, *args: str | Path) -> list[str | Pat
 class Stages:
     """Rollouts through a fresh capture proxy, grading, reconstruction: one stage's run folders."""
 
-    def __init__(self, loop: Loop, config: Config, model: Path) -> None:
+    def __init__(self, loop: Loop, config: Args, model: Path) -> None:
         self.loop, self.config, self.model = loop, config, model
 
     def rollout_cmd(
@@ -372,7 +356,7 @@ class Stages:
         )
 
 
-def main(config: Config) -> int:
+def demo(config: Args) -> int:
     started = time.monotonic()
     # Every process below inherits this: torch spawning one thread per core on a shared box slows it many times.
     os.environ["OMP_NUM_THREADS"] = str(config.threads)
@@ -505,7 +489,7 @@ def main(config: Config) -> int:
     return 0
 
 
-def _plain(config: Config) -> dict[str, Any]:
+def _plain(config: Args) -> dict[str, Any]:
     return {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(config).items()}
 
 
@@ -513,17 +497,17 @@ def _terminate(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds the `with` blocks: services and phases stop as on Ctrl-C
 
 
-if __name__ == "__main__":
+def main(config: Args) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        sys.exit(main(tyro.cli(Config)))
+        return demo(config)
     except KeyboardInterrupt:
         console.print("\n[yellow]interrupted: the phases and services were stopped[/]")
-        sys.exit(130)
+        return 130
     except PhaseFailed as e:
         console.print(
             f"[red]a phase failed[/] ({e}); its output is above, service logs in the run folder's logs/",
             highlight=False,
             soft_wrap=True,
         )
-        sys.exit(1)
+        return 1

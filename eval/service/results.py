@@ -1,6 +1,6 @@
 """A rollout-service job's results, read from its folder: one record per session, with its reward and traces.
 
-    from eval.rollout_results import copy_session_records, session_results
+    from eval.service.results import copy_session_records, session_results
     copy_session_records(captures_dir, job_dir / "run", job_dir / "captures.jsonl", job_dir / "captures.summary.json")
     sessions = session_results(job_dir, job, traces=True)   # job: the job.json dict (eval/rollout_service.py)
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from eval.script import Script
+from eval.upstream.script import Script
 
 MESSAGES = [
     {"content": None, "reasoning": "look", "tool_calls": [{"name": "bash", "arguments": {"command": "ls"}}]},

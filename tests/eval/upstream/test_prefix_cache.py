@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from eval.engine import Engine, Sampling, Step, generate
-from tests.eval.test_engine_batching import alone, assert_same, install_gate
+from eval.upstream.engine import Engine, Sampling, Step, generate
+from tests.eval.upstream.test_engine_batching import alone, assert_same, install_gate
 
 SYSTEM = "You are a careful shell assistant. Run one command at a time and explain nothing."
 GREEDY = Sampling(max_tokens=12, temperature=0, top_logprobs=3)

@@ -21,11 +21,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from eval.services import Service, free_port
+from eval.procs import Service, free_port
 from eval.tasks import load_tasks
 from tests.captures import scripted_proxy
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GYM_AGENT = ROOT / "eval" / "nemo_gym" / "responses_api_agents" / "polar_swe_agent"
 GYM_PYTHON = ROOT / "tests" / ".cache" / "gymvenv" / "bin" / "python"  # made by test_nemo_gym.py when it can be
 sys.path.insert(0, str(GYM_AGENT))
@@ -230,7 +230,7 @@ def test_service_runs_grades_reconstructs_cancels_and_survives_a_restart(proxy, 
 
 
 def test_args_and_submissions_are_checked_before_anything_runs(tmp_path):
-    from eval.rollout_service import Args, JobError, parse_submission
+    from eval.service.app import Args, JobError, parse_submission
 
     with pytest.raises(ValueError, match="not loopback"):
         Args(proxy="http://127.0.0.1:8080", captures=tmp_path, host="0.0.0.0")

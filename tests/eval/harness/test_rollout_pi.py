@@ -1,6 +1,6 @@
 """The real Pi CLI rolled out on a toy task and graded: python -m eval rollout --harness pi, then score, resolved.
 
-    python -m pytest tests/harness/test_rollout_pi.py -m slow
+    python -m pytest tests/eval/harness/test_rollout_pi.py -m slow
 
 The scripted reference server answers Pi's first call with a bash tool call that applies the task's gold patch,
 and the second with a final answer; the proxy records both under the session id the rollout gave Pi as its key.

@@ -1,10 +1,10 @@
-"""The harness CLIs pinned in tests/harness/package.json, installed on first use (eval.harnesses.install)."""
+"""The harness CLIs pinned in tests/eval/harness/package.json, installed on first use (eval.harnesses.install)."""
 
 from pathlib import Path
 
 import pytest
 
-from eval.harnesses import NpmMissing, install
+from eval.harness.install import NpmMissing, install
 
 
 @pytest.fixture(scope="session")

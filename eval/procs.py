@@ -1,7 +1,9 @@
-"""Start and stop the loopback services of a run: the reference server and `mitmdump` with the capture addon.
+"""Processes of a run: free ports, the loopback services (the reference server and `mitmdump` with the capture
+addon), and stopping a process tree.
 
-Used by the demo, rollouts, tests and benchmarks. Each service is a real subprocess on a free
+Used by the demo, rollouts, the rollout service, tests and benchmarks. Each service is a real subprocess on a free
 127.0.0.1 port, its output in a log file, stopped on ``stop()``/``with`` exit, also when startup fails.
+:func:`stop_tree` stops a harness, a grading script or a phase with everything it started.
 
 :func:`check_proxy` is the one place that decides whether a proxy records: it asks the addon's
 ``GET /polar/health``. mitmproxy keeps forwarding when the addon failed to load (a repeated
@@ -11,6 +13,7 @@ rollout service and :class:`Mitmdump` (hence the demo) all refuse a proxy that d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -22,6 +25,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 ADDON = ROOT / "addon" / "polar.py"
@@ -88,6 +93,28 @@ def check_proxy(url: str, *, transparent: bool = False, timeout: float = 10.0) -
     return health
 
 
+def stop_tree(proc: subprocess.Popen, *, grace: float = 0.0) -> None:
+    """Stop ``proc`` and every process under it, then reap it. Harness sessions and shell tools start their own
+    process groups (``start_new_session``), so the tree is followed by parent links, and the group ``proc`` leads,
+    if any, is signalled too: it holds the background children that outlived their parent. With ``grace`` > 0
+    each gets SIGTERM first and SIGKILL only if it is still there ``grace`` seconds later (mitmdump, the trainer);
+    with 0, SIGKILL at once."""
+    tree: list[psutil.Process] = []
+    if proc.poll() is None:  # once reaped, its pid may be another process's
+        with contextlib.suppress(psutil.NoSuchProcess):
+            parent = psutil.Process(proc.pid)
+            tree = [parent, *parent.children(recursive=True)]
+    for sig in ([signal.SIGTERM] if grace > 0 else []) + [signal.SIGKILL]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)  # no such group unless proc was started with start_new_session
+        for p in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(sig)
+        if sig == signal.SIGTERM:
+            tree = psutil.wait_procs(tree, timeout=grace)[1]
+    proc.wait()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -148,7 +175,7 @@ class Service:
 
 
 class ReferenceServer(Service):
-    """``python -m eval.serve --model DIR`` (see eval/serve.py)."""
+    """``python -m eval serve --model DIR`` (see eval/upstream/server.py)."""
 
     def __init__(
         self,
@@ -161,7 +188,7 @@ class ReferenceServer(Service):
         flavor: str = "vllm",
     ) -> None:
         port = free_port()
-        cmd = [sys.executable, "-m", "eval.serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
+        cmd = [sys.executable, "-m", "eval", "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--seed", str(seed)] + (["--script", str(script)] if script else [])
         cmd += ["--flavor", flavor]
         if lora:

@@ -51,7 +51,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 import torch.nn.functional as F
 
-from eval.toolparse import Event, OutputParser, StopStrings
+from eval.upstream.toolparse import Event, OutputParser, StopStrings
 
 __all__ = ["Detokenizer", "Engine", "Piece", "PrefixCache", "Sampling", "generate"]
 

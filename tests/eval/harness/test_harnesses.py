@@ -1,7 +1,7 @@
 """The real harness CLIs, each through `mitmdump` + the addon to the scripted reference server: a shell tool call
 that writes a file, then a final answer; every model call recorded with token ids.
 
-    python -m pytest tests/harness -m slow
+    python -m pytest tests/eval/harness -m slow
 
 The five harnesses run at the same time (each with its own server, since each needs its own tool name in the
 script, and its own proxy): one after another they take over four minutes on two cores, mostly loading the
@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from eval.harnesses import HarnessRun, run_harness
-from eval.services import Mitmdump, ReferenceServer
+from eval.harness.presets import HarnessRun, run_harness
+from eval.procs import Mitmdump, ReferenceServer
 
 pytestmark = pytest.mark.slow
 

@@ -20,11 +20,11 @@ import polars as pl
 import psutil
 import pytest
 
-from eval import demo_report
+from eval.demo import report as demo_report
 from eval.runs import read_rewards, read_sessions
 from reconstruct import schema
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TASK, HELDOUT, TEACH = "polar-toy__retries-1", "polar-toy__units-1", "polar-toy__greeting-1"
 SAMPLES, HELDOUT_SAMPLES = 4, 2
 FIX = [

@@ -7,11 +7,11 @@ import pytest
 from openai import OpenAI
 from transformers import AutoConfig, AutoTokenizer
 
-from eval import models
-from eval.models import SPECIAL_TOKENS, TAG_TOKENS, build_smollm2, build_tiny, is_built
-from eval.toolparse import Content, OutputParser, Reasoning, ToolCall
+from eval.upstream import models
+from eval.upstream.models import SPECIAL_TOKENS, TAG_TOKENS, build_smollm2, build_tiny, is_built
+from eval.upstream.toolparse import Content, OutputParser, Reasoning, ToolCall
 
-CACHE = Path(__file__).resolve().parents[1] / ".cache"  # gitignored; keeps the ~1 min SmolLM2 build across runs
+CACHE = Path(__file__).resolve().parents[2] / ".cache"  # gitignored; keeps the ~1 min SmolLM2 build across runs
 
 BASH = {"type": "function", "function": {"name": "bash", "parameters": {"type": "object", "properties": {}}}}
 CONVERSATIONS = {

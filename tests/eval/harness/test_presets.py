@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eval.harnesses import run_harness
+from eval.harness.presets import run_harness
 
 URL = "http://127.0.0.1:9"  # nothing listens: the stand-ins never call it
 BINARIES = {"codex": "codex", "claude-code": "claude", "pi": "pi", "qwen-code": "qwen", "gemini": "gemini"}

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from eval.engine import Detokenizer, Engine, Sampling, generate
-from eval.toolparse import Content, ToolCall
+from eval.upstream.engine import Detokenizer, Engine, Sampling, generate
+from eval.upstream.toolparse import Content, ToolCall
 
 
 @pytest.fixture(scope="module")

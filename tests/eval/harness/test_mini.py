@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from eval.harnesses import run_harness
-from eval.mini import Args, run_command
+from eval.harness.mini import Args, run_command
+from eval.harness.presets import run_harness
 
 
 def test_run_command_reports_exit_code_cuts_long_output_and_kills_at_the_timeout(tmp_path):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eval.harnesses import NpmMissing, install
+from eval.harness.install import NpmMissing, install
 
 # Counts its calls, takes a while (so racing installs overlap), fails on request, and leaves a bin folder.
 FAKE_NPM = """#!/bin/sh

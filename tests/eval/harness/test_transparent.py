@@ -1,7 +1,7 @@
 """Transparent mode end to end: the official SDKs and the Claude Code and Codex CLIs on their providers' own URLs,
 with only HTTPS_PROXY and the CA set, reach the reference server through `mitmdump --mode regular` + polar_reroute.
 
-    python -m pytest tests/harness/test_transparent.py -m slow
+    python -m pytest tests/eval/harness/test_transparent.py -m slow
 
 Every model call is recorded with token ids; a host the proxy is not told about passes unrecorded; capture-only
 records calls on their way to the "provider" (the reference server under a name of its own) with no secret on
@@ -20,10 +20,10 @@ import pytest
 from google import genai
 from transformers import AutoTokenizer
 
-from eval.services import ReferenceServer
-from eval.transparent import TransparentMitmdump, harness_env, run_transparent
+from eval.harness.transparent import TransparentMitmdump, harness_env, run_transparent
+from eval.procs import ReferenceServer
 from tests.captures import read_records, tokens_of
-from tests.harness.test_harnesses import CASES, COMMAND, FINAL, PROMPT, RUN_TIMEOUT, script, token_ids
+from tests.eval.harness.test_harnesses import CASES, COMMAND, FINAL, PROMPT, RUN_TIMEOUT, script, token_ids
 
 pytestmark = pytest.mark.slow
 
@@ -169,7 +169,7 @@ def test_cli_round_trip(harness, cli_runs, tokenizer):
     }
     answered = [token_ids(r) for r in records if r["status"] == 200]
     assert answered and all(prompt and completion for prompt, completion in answered)
-    # The tool call, then the final answer, as the ids the model sampled (as in tests/harness/test_harnesses.py).
+    # The tool call, then the final answer, as the ids the model sampled (as in tests/eval/harness/test_harnesses.py).
     texts = [tokenizer.decode(completion, skip_special_tokens=True) for _, completion in answered]
     call = next(i for i, text in enumerate(texts) if CASES[harness].tool in text and json.dumps(COMMAND)[1:-1] in text)
     assert any(text.strip() == FINAL for text in texts[call + 1 :]), texts

@@ -9,7 +9,7 @@ import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eval.toolparse import Content, OutputParser, Reasoning
+from eval.upstream.toolparse import Content, OutputParser, Reasoning
 from tests import http
 
 pytestmark = pytest.mark.slow  # reference servers (python -m eval.serve) per module

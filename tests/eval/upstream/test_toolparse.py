@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from eval.toolparse import Content, OutputParser, Reasoning, StopStrings, ToolCall
+from eval.upstream.toolparse import Content, OutputParser, Reasoning, StopStrings, ToolCall
 
 ANSWER = (
     '<think>\nneed the files ü\n</think>\n\nI will list them.\n<tool_call>\n{"name": "bash", "arguments": '
