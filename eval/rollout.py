@@ -13,7 +13,7 @@ commit, without harness and cache folders (HARNESS_FOLDERS). Each session ends w
 failed). Sessions run ``--concurrency`` at a time; one that crashes or hangs never stops the others.
 
 Before anything runs, the proxy must answer ``GET /polar/health`` as a recording capture addon
-(``eval.services.check_proxy``): a mitmdump whose addon did not load forwards every call unrecorded.
+(``eval.procs.check_proxy``): a mitmdump whose addon did not load forwards every call unrecorded.
 
 Writes RUN_DIR/tasks.jsonl (the instances used), RUN_DIR/sessions.parquet (eval/runs.py; one row per task x
 sample in task order, then sample order) and RUN_DIR/logs/<session_id>/{stdout,stderr}.txt. Next:
@@ -72,7 +72,7 @@ class Args:
     tasks: str
     """"toy" (the shipped toy tasks) or a JSON / JSONL / Parquet file of SWE-bench-shaped instances."""
     harness: Name
-    """Harness preset: an npm CLI (codex, claude-code, pi, qwen-code, gemini), mini (eval/mini.py) or shell."""
+    """Harness preset: an npm CLI (codex, claude-code, pi, qwen-code, gemini), mini (eval/harness/mini.py) or shell."""
     proxy: str
     """Base URL of mitmdump with the capture addon, without /v1, e.g. http://127.0.0.1:8080."""
     out: Path

@@ -1,6 +1,6 @@
 """The RL loop on one CPU box, measured: teach, then GRPO rounds of rollout -> grade -> reconstruct -> train -> serve.
 
-    python -m eval.demo [--model DIR] [--seed 0] [--rounds 2] [--samples 16] [--tasks ID ...] [--heldout ID ...]
+    python -m eval demo [--model DIR] [--seed 0] [--rounds 2] [--samples 16] [--tasks ID ...] [--heldout ID ...]
     make demo [SEED=1] [ROUNDS=3] [SAMPLES=16] [MODEL=DIR] [THREADS=2]
 
 Phases, each its own process joined to the next by files in RUN = runs/demo/<UTC time>/:
@@ -21,9 +21,9 @@ Phases, each its own process joined to the next by files in RUN = runs/demo/<UTC
    trajectories -> RUN/adapters/grpo<k>, served and rolled out as stage grpo<k>: --grpo-steps clipped steps over
    the round's rollouts, each task's 16 samples packed with their shared prompt once (--share-prefix). Held-out
    tasks are never trained on.
-6. summary (eval/demo_report.py): pass@1 per stage on the trained and the held-out tasks with 95 % Wilson
+6. summary (eval/demo/report.py): pass@1 per stage on the trained and the held-out tasks with 95 % Wilson
    intervals, and Fisher's exact test of GRPO's own gain (last round against the SFT stage it started from),
-   of SFT's, and of the whole loop; RUN/summary.json, RUN/report.html. ``python -m eval.demo_report RUN`` recounts.
+   of SFT's, and of the whole loop; RUN/summary.json, RUN/report.html. ``python -m eval demo-report RUN`` recounts.
 
 The defaults fit about 20 minutes on 2 cores (see the README for measured runs). notebooks/ opens a run folder.
 """
@@ -114,7 +114,8 @@ class Args:
     threads: int = 2
     """Torch threads per process (OMP_NUM_THREADS)."""
     script: Path | None = None
-    """Replay these assistant messages instead of sampling (eval/script.py's format): how tests run the loop."""
+    """Replay these assistant messages instead of sampling (eval/upstream/script.py's format): how tests run the
+    loop."""
     out: Path = Path("runs/demo")
     """Parent of the run folder <UTC time>/."""
     seed: int = 0
@@ -153,7 +154,7 @@ class Args:
 
 
 def teacher_messages(instance_id: str) -> list[dict[str, Any]]:
-    """The worked session of a toy task (eval/script.py's message list), from eval/toy/<name>/teacher.json."""
+    """The worked session of a toy task (eval/upstream/script.py's message list), from eval/toy/<name>/teacher.json."""
     name = instance_id.removeprefix(f"{TOY_REPO_OWNER}__").rsplit("-", 1)[0]
     path = TOY_DIR / name / "teacher.json"
     if not path.is_file():
@@ -373,7 +374,7 @@ def demo(config: Args) -> int:
 
     t0 = loop.header("model")
     model = (config.model or build_smollm2(ROOT / "models" / "smollm2")).resolve()
-    loop.done("model", t0, [model], [f"python -m eval.models smollm2 {shown(model)}"] if not config.model else [])
+    loop.done("model", t0, [model], [f"python -m eval models smollm2 {shown(model)}"] if not config.model else [])
     stages = Stages(loop, config, model)
     adapters = run / "adapters"
 
@@ -482,7 +483,7 @@ def demo(config: Args) -> int:
     console.print(numbers["note"], highlight=False)
     console.print(
         f"\n[bold]Rerun any phase alone[/] (from the repository root; the commands of each are in "
-        f"{shown(run / 'summary.json')}), then recount: python -m eval.demo_report {shown(run)}",
+        f"{shown(run / 'summary.json')}), then recount: python -m eval demo-report {shown(run)}",
         highlight=False,
         soft_wrap=True,
     )

@@ -1,7 +1,7 @@
-"""Numbers and views of a demo run folder (``python -m eval.demo``): pass rates per stage with intervals, the tests
+"""Numbers and views of a demo run folder (``python -m eval demo``): pass rates per stage with intervals, the tests
 of each stage's gain, training metrics, report.html, a trace's tokens.
 
-    python -m eval.demo_report [RUN]               # recount summary.json and report.html after rerunning a phase
+    python -m eval demo-report [RUN]               # recount summary.json and report.html after rerunning a phase
 
     from eval.demo import report as demo_report
     run = demo_report.find_run()                   # the newest runs/demo/<time>/, or find_run("runs/demo/...")
@@ -14,7 +14,7 @@ stages are compared with Fisher's exact test (two-sided), exact at the small cou
 called "improved" only at p < 0.05. Samples are independent rollouts, so the test is the right one for the
 question "did the policy's success rate change?", not for "is the model good".
 
-eval/demo.py writes summary.json and report.html with these; the notebooks in notebooks/ call them and read the
+eval/demo/loop.py writes summary.json and report.html with these; the notebooks in notebooks/ call them and read the
 run's files, nothing else. Charts are plain SVG, like eval/report.py's, so the demo needs no plotting library.
 """
 

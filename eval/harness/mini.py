@@ -1,6 +1,6 @@
 """The ``mini`` harness: a small bash-tool agent over the official ``openai`` SDK, for CPU demos and tests.
 
-    python -m eval.mini --base-url http://127.0.0.1:8080/v1 --api-key SESSION --model tiny \\
+    python -m eval mini --base-url http://127.0.0.1:8080/v1 --api-key SESSION --model tiny \\
         --workspace /tmp/ws --prompt-file issue.txt [--max-steps 30] [--command-timeout 60]
 
 It streams Chat Completions with one function tool, ``bash``, runs each call's command in the workspace

@@ -1,7 +1,7 @@
 """Rollouts as a service: submit a task with N samples over loopback HTTP, get back patches, rewards and traces.
 
-    python -m eval serve-rollouts ...   (or: python -m eval.rollout_service ...)
-    python -m eval.rollout_service --proxy http://127.0.0.1:8080 --captures captures --root runs/service \\
+    python -m eval serve-rollouts ...   (or: python -m eval serve-rollouts ...)
+    python -m eval serve-rollouts --proxy http://127.0.0.1:8080 --captures captures --root runs/service \\
         [--port 8090] [--workers 2] [--session-concurrency 1] [--token-file FILE] [--tokenizer DIR]
 
 The proxy (mitmdump with addon/polar.py) is the user's; ``--captures`` is its ``polar_dir`` (checked at start against

@@ -2,7 +2,7 @@
 
     from eval.service.results import copy_session_records, session_results
     copy_session_records(captures_dir, job_dir / "run", job_dir / "captures.jsonl", job_dir / "captures.summary.json")
-    sessions = session_results(job_dir, job, traces=True)   # job: the job.json dict (eval/rollout_service.py)
+    sessions = session_results(job_dir, job, traces=True)   # job: the job.json dict (eval/service/app.py)
 
 Everything here reads the tables the batch phases wrote (eval/runs.py, reconstruct/schema.py); nothing is
 recomputed, so the service and ``python -m eval ...`` by hand give the same answers.

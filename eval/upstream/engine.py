@@ -1,5 +1,6 @@
-"""Batched token-by-token generation for eval.serve: one scheduler thread decodes all running requests together
-(continuous batching, as vLLM does it, simplified), with raw log-probs and incremental decoding.
+"""Batched token-by-token generation for the reference server (eval/upstream/server.py): one scheduler thread
+decodes all running requests together (continuous batching, as vLLM does it, simplified), with raw log-probs and
+incremental decoding.
 
     engine = Engine(Path("models/tiny"), seed=0, max_batch=32)
     for piece in generate(engine, prompt_ids, Sampling(max_tokens=16, temperature=0)): ...

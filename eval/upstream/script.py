@@ -1,4 +1,4 @@
-"""Scripted assistant messages for eval.serve --script, handed out in order per session.
+"""Scripted assistant messages for eval.upstream.server --script, handed out in order per session.
 
 The file is a JSON list, or JSONL, of ``{"content": str | null, "reasoning": str | null, "tool_calls": [{"name":
 str, "arguments": object}]}``. Each request of a session takes that session's next message; a session past the

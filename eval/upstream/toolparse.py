@@ -1,4 +1,4 @@
-"""Incremental text stages of eval.serve: stop strings, then reasoning and Hermes tool-call parsing.
+"""Incremental text stages of eval.upstream.server: stop strings, then reasoning and Hermes tool-call parsing.
 
 Both take text deltas as they are decoded and hold back any tail that might be the start of a marker, so a
 stream never shows text it would later have to take back (as vLLM's parsers do):
@@ -9,7 +9,7 @@ stream never shows text it would later have to take back (as vLLM's parsers do):
 ``<think>…</think>`` becomes ``Reasoning`` (vLLM's qwen3 reasoning parser) and ``<tool_call>{json}</tool_call>``
 becomes ``ToolCall`` (vLLM's hermes tool parser); everything else is ``Content``. Newlines next to the
 markers are dropped (content and reasoning are each stripped of leading and trailing newlines, exactly the
-strip that eval.models.CHAT_TEMPLATE applies), so a parsed message renders back to the text it came from.
+strip that eval.upstream.models.CHAT_TEMPLATE applies), so a parsed message renders back to the text it came from.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""eval/demo.py end to end on the tiny model: the run folder it writes, the summary's numbers against those files,
+"""eval/demo/loop.py end to end on the tiny model: the run folder it writes, the summary's numbers against those files,
 learning measured through the whole loop, and a Ctrl-C that leaves no process behind.
 
 The reference server replays a script per session so that rewards differ within the trained task's group: in
@@ -47,7 +47,8 @@ def demo_command(model: Path, tmp: Path) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "eval.demo",
+        "eval",
+        "demo",
         "--model",
         str(model),
         "--script",
@@ -159,7 +160,7 @@ def test_demo_writes_the_run_folder_and_its_summary_agrees_with_the_files(demo_r
     assert report.count("<svg") == 1 + 2 and "accelerate launch" in report and "95 % interval" in report
 
     # The summary phase reruns alone too, and recounts the same numbers.
-    subprocess.run([sys.executable, "-m", "eval.demo_report", str(run)], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "eval", "demo-report", str(run)], cwd=ROOT, check=True, capture_output=True)
     assert json.loads((run / "summary.json").read_text()) == summary
 
 
@@ -219,7 +220,7 @@ def test_ctrl_c_stops_every_phase_and_service(tiny_model_dir, tmp_path):
         assert demo.poll() is None, demo.stdout.read()
         time.sleep(0.2)
     running = descendants(demo.pid)
-    assert any("eval.serve" in " ".join(p.cmdline()) for p in running)  # the rollout is under way
+    assert any("eval serve" in " ".join(p.cmdline()) for p in running)  # the rollout is under way
     os.killpg(demo.pid, signal.SIGINT)
     out, _ = demo.communicate(timeout=60)
     assert demo.returncode == 130, out[-3000:]

@@ -1,4 +1,4 @@
-"""The harness CLIs pinned in tests/eval/harness/package.json, installed on first use (eval.harnesses.install)."""
+"""The harness CLIs pinned in tests/eval/harness/package.json, installed on first use (eval.harness.presets.install)."""
 
 from pathlib import Path
 

@@ -1,4 +1,4 @@
-"""eval.harnesses.install with a stand-in npm: one install per package.json, shared under a lock, redone after a
+"""eval.harness.install with a stand-in npm: one install per package.json, shared under a lock, redone after a
 failure or a version bump."""
 
 import os

@@ -1,5 +1,6 @@
-"""eval.mini's command runner, and the agent failing cleanly without a model. Its scripted sessions through the real
-proxy and reference server (tool errors, exit codes, reasoning sent back) run in test_rollout.py, as rollouts."""
+"""eval.harness.mini's command runner, and the agent failing cleanly without a model. Its scripted sessions through
+the real proxy and reference server (tool errors, exit codes, reasoning sent back) run in tests/eval/test_rollout.py,
+as rollouts."""
 
 import time
 

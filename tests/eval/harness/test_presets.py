@@ -1,4 +1,5 @@
-"""eval.harnesses.run_harness with stand-in CLIs: what each preset hands its harness, isolation, and the timeout."""
+"""eval.harness.presets.run_harness with stand-in CLIs: what each preset hands its harness, isolation, and the
+timeout."""
 
 import json
 import os

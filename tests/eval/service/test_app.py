@@ -1,4 +1,4 @@
-"""python -m eval.rollout_service end to end on CPU: the scripted reference server behind the real mitmdump + addon,
+"""python -m eval serve-rollouts end to end on CPU: the scripted reference server behind the real mitmdump + addon,
 the service in its own process, jobs for `mini`, Pi (a real harness CLI), a crashing harness, a failed grade and a
 cancelled hang, and at the same time one NeMo Gym /run (eval/nemo_gym: app.py in Gym's own virtualenv when
 tests/.cache/gymvenv exists, see test_nemo_gym.py; else the same polar_gym code in this interpreter); then a restart
@@ -54,7 +54,8 @@ def start_service(proxy, root, token_file, log) -> Service:
     cmd = [
         sys.executable,
         "-m",
-        "eval.rollout_service",
+        "eval",
+        "serve-rollouts",
         "--proxy",
         proxy.url,
         "--captures",

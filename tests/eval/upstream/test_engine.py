@@ -1,4 +1,4 @@
-"""eval.engine in-process on the tiny model: incremental decoding, teacher forcing, finish reasons."""
+"""eval.upstream.engine in-process on the tiny model: incremental decoding, teacher forcing, finish reasons."""
 
 import pytest
 import torch

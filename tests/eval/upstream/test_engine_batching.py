@@ -1,4 +1,4 @@
-"""eval.engine's scheduler on the tiny model: concurrent requests share forward passes and get what they would
+"""eval.upstream.engine's scheduler on the tiny model: concurrent requests share forward passes and get what they would
 get alone (greedy, seeded, forced, LoRA), rows join mid-generation and leave when their consumer stops.
 
 A ``ForwardGate`` wraps the model's forward: it records each call's input shape and, while held, lets calls through

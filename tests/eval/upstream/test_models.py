@@ -1,4 +1,4 @@
-"""eval.models: offline builds, the shared chat template, and SmolLM2 from the wheel (slow)."""
+"""eval.upstream.models: offline builds, the shared chat template, and SmolLM2 from the wheel (slow)."""
 
 import json
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""eval.engine's prefix cache on the tiny model: a prompt that starts like an earlier prompt (and its answer)
+"""eval.upstream.engine's prefix cache on the tiny model: a prompt that starts like an earlier prompt (and its answer)
 prefills only the rest and gets what it gets without the cache; entries serve only their own adapter, are retired
 when it is loaded again, and the least recently used go first when the token budget is full.
 

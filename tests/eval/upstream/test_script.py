@@ -1,4 +1,4 @@
-"""eval.script: the script file formats, per-session order, and replaying the last message."""
+"""eval.upstream.script: the script file formats, per-session order, and replaying the last message."""
 
 import json
 

@@ -1,4 +1,5 @@
-"""eval.serve as a real subprocess, driven by the openai SDK and raw httpx: vLLM's fields, streamed and not."""
+"""The reference server (python -m eval serve) as a real subprocess, driven by the openai SDK and raw httpx: vLLM's
+fields, streamed and not."""
 
 import json
 import threading
@@ -12,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from eval.upstream.toolparse import Content, OutputParser, Reasoning
 from tests import http
 
-pytestmark = pytest.mark.slow  # reference servers (python -m eval.serve) per module
+pytestmark = pytest.mark.slow  # reference servers (python -m eval serve) per module
 
 TOOLS = [
     {

@@ -1,4 +1,4 @@
-"""eval.toolparse: the same events whatever the chunking, markers never leaked half-seen."""
+"""eval.upstream.toolparse: the same events whatever the chunking, markers never leaked half-seen."""
 
 import json
 
