@@ -72,7 +72,7 @@ class Args:
     tasks: str
     """"toy" (the shipped toy tasks) or a JSON / JSONL / Parquet file of SWE-bench-shaped instances."""
     harness: Name
-    """Harness preset: an npm CLI (codex, claude-code, pi, qwen-code, gemini), mini (eval/harness/mini.py) or shell."""
+    """Harness preset (eval/harness/presets.py): an npm CLI, mini (eval/harness/mini.py) or shell."""
     proxy: str
     """Base URL of mitmdump with the capture addon, without /v1, e.g. http://127.0.0.1:8080."""
     out: Path

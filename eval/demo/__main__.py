@@ -1,4 +1,4 @@
-"""``python -m eval demo ...``: the same as ``python -m eval demo ...`` (eval/demo/loop.py)."""
+"""``python -m eval.demo ...``, the demo's first name: the same as ``python -m eval demo ...`` (eval/demo/loop.py)."""
 
 import sys
 

@@ -247,11 +247,9 @@ def _shell(s: Setup) -> tuple[list[str], dict[str, str]]:
 # Node adds NODE_EXTRA_CA_CERTS to its own roots (NODE_USE_ENV_PROXY makes its fetch use HTTPS_PROXY); Codex
 # (Rust) replaces its roots with SSL_CERT_FILE, hence a full bundle there (eval/harness/transparent.py).
 NODE = ("NODE_EXTRA_CA_CERTS", "NODE_USE_ENV_PROXY")
-OPENAI, ANTHROPIC, GOOGLE = (
-    "https://api.openai.com",
-    "https://api.anthropic.com",
-    "https://generativelanguage.googleapis.com",
-)
+OPENAI = "https://api.openai.com"
+ANTHROPIC = "https://api.anthropic.com"
+GOOGLE = "https://generativelanguage.googleapis.com"
 
 PRESETS: dict[str, Preset] = {
     # Codex sends no output cap, and with its switches only its 4 plain function tools.
@@ -269,7 +267,7 @@ PRESETS: dict[str, Preset] = {
     "shell": Preset(_shell, tools=False, token_cap=False),
 }  # fmt: skip
 # The harness names as a type, for the CLIs' choices; from the registry, so a new entry needs no second edit.
-Name = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
+Name = Literal[tuple(PRESETS)]
 
 
 def base_env(home: Path, bin_dir: Path | None) -> dict[str, str]:

@@ -39,7 +39,7 @@ BUNDLE_FILE = "polar-ca-bundle.pem"
 # Variables a preset sets only to change the base URL; unset, the harness uses its built-in default.
 BASE_URL_VARS = ("ANTHROPIC_BASE_URL", "GOOGLE_GEMINI_BASE_URL", "OPENAI_BASE_URL")
 # The harnesses with a transparent mode, as a type for the CLI's choices.
-Transparent = Literal[tuple(name for name, preset in presets.PRESETS.items() if preset.provider_url)]  # type: ignore[valid-type]
+Transparent = Literal[tuple(name for name, preset in presets.PRESETS.items() if preset.provider_url)]
 
 
 def ca_bundle(ca_cert: Path) -> Path:

@@ -1,6 +1,5 @@
 """Rollouts as a service: submit a task with N samples over loopback HTTP, get back patches, rewards and traces.
 
-    python -m eval serve-rollouts ...   (or: python -m eval serve-rollouts ...)
     python -m eval serve-rollouts --proxy http://127.0.0.1:8080 --captures captures --root runs/service \\
         [--port 8090] [--workers 2] [--session-concurrency 1] [--token-file FILE] [--tokenizer DIR]
 
@@ -19,7 +18,7 @@ Routes (JSON; with ``--token-file`` every route but /health needs ``Authorizatio
     GET  /health                       {status: "ok", proxy, jobs: {queued, running, done, failed, cancelled}}
     POST /v1/jobs                      202 {job_id, status: "queued"}; 400 {error} naming the field. Body:
          {"instance": {SWE-bench 5.x instance} | "instance_id": ID [, "tasks": "toy" | FILE],
-          "harness": codex|claude-code|pi|qwen-code|gemini|mini|shell, "samples": 1, "timeout": 1800 (s per
+          "harness": a preset name (eval/harness/presets.py), "samples": 1, "timeout": 1800 (s per
           session), "model": "tiny", "max_tokens": null, "command": null (shell only), "metadata": {}}
     GET  /v1/jobs                      {jobs: [job.json, ...]}
     GET  /v1/jobs/<id>                 job.json: {job_id, status: queued|running|done|failed|cancelled, phase,

@@ -1,4 +1,4 @@
-"""The harness CLIs pinned in tests/eval/harness/package.json, installed on first use (eval.harness.presets.install)."""
+"""The harness CLIs pinned in eval/harness/package.json, installed on first use (eval.harness.install)."""
 
 from pathlib import Path
 
