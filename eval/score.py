@@ -26,13 +26,11 @@ left no patch). ``grade`` never raises for one bad session.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -50,6 +48,8 @@ from swebench.harness.utils import make_test_spec
 from swebench.types import TestSpec
 from tqdm import tqdm
 
+from eval.errors import EvalError
+from eval.procs import stop_tree
 from eval.runs import LOGS, REWARDS_SCHEMA, TASKS, read_sessions, write_rewards
 from eval.tasks import GIT_ENV, TaskError, checkout, load_tasks, save_tasks, validate
 
@@ -84,14 +84,14 @@ class Args:
 
     def __post_init__(self) -> None:
         if self.predictions is not None and self.gold:
-            raise ValueError("give --predictions FILE or --gold, not both")
+            raise EvalError("give --predictions FILE or --gold, not both")
         from_file = self.predictions is not None or self.gold
         if from_file == (self.run_dir is not None):
-            raise ValueError("give either RUN_DIR, or --predictions FILE / --gold with --tasks and --out")
+            raise EvalError("give either RUN_DIR, or --predictions FILE / --gold with --tasks and --out")
         if from_file and (self.tasks is None or self.out is None):
-            raise ValueError("--predictions and --gold need --tasks SPEC and --out DIR")
+            raise EvalError("--predictions and --gold need --tasks SPEC and --out DIR")
         if self.concurrency < 1 or self.timeout <= 0:
-            raise ValueError(f"--concurrency must be >= 1 and --timeout > 0, got {self.concurrency}, {self.timeout}")
+            raise EvalError(f"--concurrency must be >= 1 and --timeout > 0, got {self.concurrency}, {self.timeout}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,10 +233,7 @@ def run_script(script: Path, repo: Path, env: dict[str, str], timeout: float, lo
         except subprocess.TimeoutExpired:
             return True
         finally:
-            # The whole group: pytest and anything a patch started in the background.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            stop_tree(proc)  # pytest and anything a patch started in the background
 
 
 def grade_docker(
@@ -310,15 +307,22 @@ def load_jobs(args: Args) -> tuple[Path, dict[str, dict], list[Job]]:
 
 
 def read_predictions(path: Path) -> list[dict]:
-    """swebench's predictions JSONL; ValueError naming the line and the missing key."""
+    """swebench's predictions JSONL; EvalError naming the file, the line and what is wrong."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise EvalError(f"{path}: cannot read the predictions: {e}") from e
     predictions = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        prediction = json.loads(line)
+        try:
+            prediction = json.loads(line)
+        except ValueError as e:
+            raise EvalError(f"{path}:{number}: not a JSON line: {e}") from e
         missing = [k for k in ("instance_id", "model_name_or_path", "model_patch") if k not in prediction]
         if missing:
-            raise ValueError(f"{path}:{number}: prediction lacks {missing}")
+            raise EvalError(f"{path}:{number}: prediction lacks {missing}")
         predictions.append(prediction)
     return predictions
 
@@ -326,7 +330,7 @@ def read_predictions(path: Path) -> list[dict]:
 def main(args: Args) -> int:
     try:
         out_dir, tasks, jobs = load_jobs(args)
-    except (TaskError, ValueError, OSError) as e:
+    except (EvalError, OSError) as e:  # a task file, a run folder, a predictions file; --out not writable
         print(f"python -m eval score: {e}", file=sys.stderr)
         return 2
     if args.runner == "docker":

@@ -37,6 +37,8 @@ from swebench.harness.log_parsers import PARSER_REGISTRY
 from swebench.harness.utils import load_swebench_dataset
 from unidiff import PatchSet
 
+from eval.errors import EvalError
+
 __all__ = ["TOY_DIR", "TOY_REPO_OWNER", "TaskError", "checkout", "load_tasks", "save_tasks", "toy_instances"]
 
 TOY_DIR = Path(__file__).resolve().parent / "toy"
@@ -64,7 +66,7 @@ GIT_ENV = {
 HEREDOC = "EOF_POLAR_TEST_PATCH"
 
 
-class TaskError(ValueError):
+class TaskError(EvalError):
     """A task that cannot be loaded or checked out; the message names the file or instance and the field."""
 
 

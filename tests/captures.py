@@ -4,7 +4,7 @@ import contextlib
 import json
 import time
 
-from eval.services import Mitmdump, ReferenceServer
+from eval.procs import Mitmdump, ReferenceServer
 
 
 @contextlib.contextmanager

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from eval.models import build_tiny
-from eval.services import ReferenceServer
+from eval.procs import ReferenceServer
+from eval.upstream.models import build_tiny
 
 
 @pytest.fixture(scope="session")
@@ -17,7 +17,7 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def reference_server(tmp_path_factory) -> Iterator[Callable[..., str]]:
-    """Factory: ``reference_server(model_dir, script=None, seed=0)`` starts ``python -m eval.serve`` on a free
+    """Factory: ``reference_server(model_dir, script=None, seed=0)`` starts ``python -m eval serve`` on a free
     port and returns its base URL once it accepts connections. ``script`` is a list of assistant messages (or a
     path to one) to replay per ``x-polar-session``. Every server started is stopped when the test session ends."""
     servers: list[ReferenceServer] = []

@@ -58,8 +58,8 @@ from train.data import DataError, MicroBatch, Trace
 from train.logprobs import TokenLoss, fused_token_loss, token_logprobs
 
 
-class ConfigError(ValueError):
-    """A setting, or a combination of settings, that cannot work; the message says what to change."""
+class TrainConfigError(ValueError):
+    """A training setting, or a combination of settings, that cannot work; the message says what to change."""
 
 
 @dataclasses.dataclass
@@ -180,26 +180,26 @@ class Config:
         )
         for name in positive:
             if getattr(self, name) < (0 if name == "save_every" else 1):
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= {0 if name == 'save_every' else 1}")
+                raise TrainConfigError(f"--{name.replace('_', '-')} must be >= {0 if name == 'save_every' else 1}")
         if self.max_steps is not None and self.max_steps < 1:
-            raise ConfigError("--max-steps must be >= 1 (or None: all epochs)")
+            raise TrainConfigError("--max-steps must be >= 1 (or None: all epochs)")
         if self.max_len > self.micro_batch_tokens:
-            raise ConfigError(f"--max-len {self.max_len} must fit --micro-batch-tokens {self.micro_batch_tokens}")
+            raise TrainConfigError(f"--max-len {self.max_len} must fit --micro-batch-tokens {self.micro_batch_tokens}")
         if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
-            raise ConfigError("--eps-low must be in [0, 1) and --eps-high >= 0")
+            raise TrainConfigError("--eps-low must be in [0, 1) and --eps-high >= 0")
         if self.tis_cap is not None and self.tis_cap <= 0:
-            raise ConfigError("--tis-cap must be > 0, or None to turn importance sampling off")
+            raise TrainConfigError("--tis-cap must be > 0, or None to turn importance sampling off")
         if self.kl_coef < 0 or self.temperature <= 0 or self.lr <= 0 or not 0 <= self.lora_dropout < 1:
-            raise ConfigError("--kl-coef must be >= 0, --temperature and --lr > 0, --lora-dropout in [0, 1)")
+            raise TrainConfigError("--kl-coef must be >= 0, --temperature and --lr > 0, --lora-dropout in [0, 1)")
         if self.dr_grpo_tokens is not None and self.dr_grpo_tokens < 1:
-            raise ConfigError("--dr-grpo-tokens must be >= 1")
+            raise TrainConfigError("--dr-grpo-tokens must be >= 1")
         if self.share_prefix and self.attn_implementation not in (None, "sdpa", "eager"):
-            raise ConfigError(
+            raise TrainConfigError(
                 f"--share-prefix needs --attn-implementation sdpa or eager (a 4D attention mask), "
                 f"not {self.attn_implementation}"
             )
         if self.grad_clip is not None and self.grad_clip <= 0:
-            raise ConfigError("--grad-clip must be > 0, or None")
+            raise TrainConfigError("--grad-clip must be > 0, or None")
 
 
 # ---- the model: a PEFT model behind one forward that returns per-token log-probs
@@ -356,9 +356,9 @@ def main(cfg: Config) -> None:
     rank, world = accelerator.process_index, accelerator.num_processes
     set_seed(cfg.seed)
     if cfg.resume is None and cfg.output.exists() and any(cfg.output.iterdir()):
-        raise ConfigError(f"{cfg.output} exists and is not empty; pick a new --output, or --resume its checkpoint")
+        raise TrainConfigError(f"{cfg.output} exists and is not empty; pick a new --output, or --resume its checkpoint")
     if cfg.resume is not None and not (cfg.resume / "trainer_state.json").is_file():
-        raise ConfigError(f"{cfg.resume} is not a checkpoint of grpo.py (no trainer_state.json)")
+        raise TrainConfigError(f"{cfg.resume} is not a checkpoint of grpo.py (no trainer_state.json)")
     print0("\n".join(f"{k:>22} | {v}" for k, v in dataclasses.asdict(cfg).items()))
 
     # 1. Trajectories -> advantages per session -> trainable traces (usable groups, causal truncation)
@@ -457,7 +457,7 @@ def main(cfg: Config) -> None:
     if cfg.resume is not None:
         accelerator.load_state(str(cfg.resume), strict=False)  # the checkpoint holds only the adapter's weights
         if progress.plan != fingerprint:
-            raise ConfigError(
+            raise TrainConfigError(
                 f"{cfg.resume}: saved with other trajectories, seed, --groups-per-step or process "
                 "count; resume with the same settings"
             )
@@ -570,12 +570,12 @@ def save_untrained(accelerator: Accelerator, cfg: Config, row: dict[str, Any]) -
 
 def parse(argv: Sequence[str] | None = None) -> Config:
     """tyro over Config; ``--config FILE.yaml`` supplies values first, so flags on the command line win."""
-    return runtime.parse_config(Config, argv, ConfigError)
+    return runtime.parse_config(Config, argv, TrainConfigError)
 
 
 if __name__ == "__main__":
     try:
         main(parse())
-    except (DataError, ConfigError) as e:
+    except (DataError, TrainConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -48,7 +48,7 @@ from accelerate.utils import set_seed
 
 from train import data, losses, runtime
 from train.data import DataError, MicroBatch, Trace
-from train.grpo import ConfigError, load_policy
+from train.grpo import TrainConfigError, load_policy
 
 
 @dataclasses.dataclass
@@ -131,7 +131,7 @@ class Config:
 
     def __post_init__(self) -> None:
         if not self.trajectories:
-            raise ConfigError("--trajectories needs at least one Parquet file")
+            raise TrainConfigError("--trajectories needs at least one Parquet file")
         for name in (
             "sessions_per_step",
             "epochs",
@@ -143,24 +143,24 @@ class Config:
             "max_bad_steps",
         ):
             if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+                raise TrainConfigError(f"--{name.replace('_', '-')} must be >= 1")
         if self.max_steps is not None and self.max_steps < 1:
-            raise ConfigError("--max-steps must be >= 1 (or None: all epochs)")
+            raise TrainConfigError("--max-steps must be >= 1 (or None: all epochs)")
         if self.max_len > self.micro_batch_tokens:
-            raise ConfigError(f"--max-len {self.max_len} must fit --micro-batch-tokens {self.micro_batch_tokens}")
+            raise TrainConfigError(f"--max-len {self.max_len} must fit --micro-batch-tokens {self.micro_batch_tokens}")
         if self.share_prefix and self.attn_implementation not in (None, "sdpa", "eager"):
-            raise ConfigError(
+            raise TrainConfigError(
                 f"--share-prefix needs --attn-implementation sdpa or eager (a 4D attention mask), "
                 f"not {self.attn_implementation}"
             )
         if self.min_reward is not None and not math.isfinite(self.min_reward):
-            raise ConfigError(f"--min-reward must be finite, or None to keep every session; got {self.min_reward}")
+            raise TrainConfigError(f"--min-reward must be finite, or None to keep every session; got {self.min_reward}")
         if self.lr <= 0 or self.warmup_steps < 0 or self.weight_decay < 0 or not 0 <= self.min_lr_frac <= 1:
-            raise ConfigError("--lr must be > 0, --warmup-steps and --weight-decay >= 0, --min-lr-frac in [0, 1]")
+            raise TrainConfigError("--lr must be > 0, --warmup-steps and --weight-decay >= 0, --min-lr-frac in [0, 1]")
         if not 0 <= self.lora_dropout < 1:
-            raise ConfigError("--lora-dropout must be in [0, 1)")
+            raise TrainConfigError("--lora-dropout must be in [0, 1)")
         if self.grad_clip is not None and self.grad_clip <= 0:
-            raise ConfigError("--grad-clip must be > 0, or None")
+            raise TrainConfigError("--grad-clip must be > 0, or None")
 
 
 # ---- the loss weights, the lr schedule, one micro-batch (pure helpers; the loop is in main)
@@ -230,7 +230,7 @@ def main(cfg: Config) -> None:
     rank, world = accelerator.process_index, accelerator.num_processes
     set_seed(cfg.seed)
     if cfg.output.exists() and any(cfg.output.iterdir()):
-        raise ConfigError(f"{cfg.output} exists and is not empty; pick a new --output")
+        raise TrainConfigError(f"{cfg.output} exists and is not empty; pick a new --output")
     print0("\n".join(f"{k:>22} | {v}" for k, v in dataclasses.asdict(cfg).items()))
 
     # 1. Trajectories -> kept sessions -> traces cut to max_len
@@ -354,12 +354,12 @@ def main(cfg: Config) -> None:
 
 def parse(argv: Sequence[str] | None = None) -> Config:
     """tyro over Config; ``--config FILE.yaml`` supplies values first, so flags on the command line win."""
-    return runtime.parse_config(Config, argv, ConfigError)
+    return runtime.parse_config(Config, argv, TrainConfigError)
 
 
 if __name__ == "__main__":
     try:
         main(parse())
-    except (DataError, ConfigError) as e:
+    except (DataError, TrainConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -2,11 +2,11 @@
 
     .venv/bin/python -m eval.nemo_gym.make_examples [--out eval/nemo_gym/responses_api_agents/polar_swe_agent/data]
 
-The tiny offline model (eval.models) serves a script (eval.serve --script) behind mitmdump + addon/polar.py; the
-rollout service (eval/rollout_service.py) runs the ``mini`` harness on five toy tasks; each Gym row goes through
-the same submission and verify-response code that app.py's /run uses (polar_gym.py). The scripted tool call applies
-the gold patch on the first three tasks (reward 1) and writes a stray file on the other two (reward 0). Token ids
-and log-probs are the model's own (teacher-forced), so tests can decode them with the same tokenizer, whose hash
+The tiny offline model (eval.upstream.models) serves a script (python -m eval serve --script) behind mitmdump +
+addon/polar.py; the rollout service (eval/service/app.py) runs the ``mini`` harness on five toy tasks; each Gym row goes
+through the same submission and verify-response code that app.py's /run uses (polar_gym.py). The scripted tool call
+applies the gold patch on the first three tasks (reward 1) and writes a stray file on the other two (reward 0). Token
+ids and log-probs are the model's own (teacher-forced), so tests can decode them with the same tokenizer, whose hash
 goes into example_rollouts.meta.json.
 """
 
@@ -23,12 +23,12 @@ from pathlib import Path
 
 import tyro
 
-from eval.models import build_tiny
+from eval.procs import Mitmdump, ReferenceServer, free_port
 from eval.rollout import instruction
-from eval.rollout_service import Args as ServiceArgs
-from eval.rollout_service import serve
-from eval.services import Mitmdump, ReferenceServer, free_port
+from eval.service.app import Args as ServiceArgs
+from eval.service.app import serve
 from eval.tasks import load_tasks
+from eval.upstream.models import build_tiny
 
 AGENT = Path(__file__).resolve().parent / "responses_api_agents" / "polar_swe_agent"
 sys.path.insert(0, str(AGENT))
@@ -106,7 +106,7 @@ def main(args: Args) -> int:
     (args.out / "example.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (args.out / "example_rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rollouts))
     meta = {
-        "model": "python -m eval.models tiny",
+        "model": "python -m eval models tiny",
         "tokenizer_sha256": tokenizer_sha,
         "command": "python -m eval.nemo_gym.make_examples",
     }

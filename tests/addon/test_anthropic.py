@@ -648,7 +648,7 @@ def test_error_types(status, kind):
             ),
             "prompt is too long: 40000 tokens > 32768 maximum",
         ),
-        (  # vLLM (older wording; also eval/serve.py), the prompt fits but not with max_tokens
+        (  # vLLM (older wording; also eval/upstream/server.py), the prompt fits but not with max_tokens
             (
                 "This model's maximum context length is 32768 tokens. However, you requested 42000 tokens "
                 "(10000 in the messages, 32000 in the completion)."

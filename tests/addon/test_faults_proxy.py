@@ -18,8 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from eval import rollout, rollout_service
-from eval.services import Mitmdump, ProxyNotRecording, Service, check_proxy, free_port
+from eval import rollout
+from eval.procs import Mitmdump, ProxyNotRecording, Service, check_proxy, free_port
+from eval.service import app as rollout_service
 from tests import http
 from tests.bench.reliability import read_records
 from tests.bench.upstream import make_server

@@ -17,6 +17,7 @@ import pytest
 import eval.join
 import eval.score
 from eval import rollout
+from eval.harness.presets import MINI
 from eval.rollout import Args, main, session_id, take_patch
 from eval.runs import read_rewards, read_sessions
 from eval.tasks import checkout, load_tasks
@@ -63,7 +64,7 @@ def test_mini_and_shell_rollouts_line_up_with_captures_rewards_and_traces(proxy,
     mini = subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # Meanwhile (one proxy, many sessions) the shell harness runs the same agent, finding the proxy and its
     # session in the OpenAI variables.
-    agent = f"{shlex.quote(sys.executable)} -P -m eval.mini --model tiny --workspace ."
+    agent = f"{shlex.quote(sys.executable)} -P {shlex.quote(str(MINI))} --model tiny --workspace ."
     agent += ' --base-url "$OPENAI_BASE_URL" --api-key "$OPENAI_API_KEY" --prompt-file <(printf %s {instruction})'
     shell = rollout.Args(
         tasks="toy",

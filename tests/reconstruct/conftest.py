@@ -1,7 +1,7 @@
 """Real captures for the reconstruction tests, generated once per test run.
 
-The reference server (eval.serve, ``--script`` mode: scripted answers teacher-forced through the tiny model, so
-ids and log-probs are real) sits behind two real ``mitmdump`` processes with the capture addon: one asking for
+The reference server (python -m eval serve, ``--script`` mode: scripted answers teacher-forced through the tiny model,
+so ids and log-probs are real) sits behind two real ``mitmdump`` processes with the capture addon: one asking for
 vLLM token fields, one ``plain`` (records without ids). The official ``openai`` SDK plays the harnesses, one
 session per scenario (the API key is the session id). ``Scenario`` names each session; ``oracle`` reads a
 record's sampled tokens with a plain JSON parse, independently of the code under test.
@@ -20,7 +20,7 @@ from typing import Any
 import openai
 import pytest
 
-from eval.services import Mitmdump, Service, free_port
+from eval.procs import Mitmdump, Service, free_port
 
 SCRIPT = [
     {
@@ -224,7 +224,7 @@ def generate(tiny_model_dir: Path, tmp: Path) -> Captures:
     # The three processes start at once (each takes seconds on a loaded machine): mitmdump dials its upstream
     # per request, so it can start before the server listens on the port chosen for it.
     port = free_port()
-    serve = [sys.executable, "-m", "eval.serve", "--model", str(tiny_model_dir), "--port", str(port)]
+    serve = [sys.executable, "-m", "eval", "serve", "--model", str(tiny_model_dir), "--port", str(port)]
     serve += ["--host", "127.0.0.1", "--script", str(tmp / "script.json")]
     upstream = f"http://127.0.0.1:{port}"
     with ThreadPoolExecutor(3) as pool:

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from eval.services import ROOT
+from eval.procs import ROOT
 from reconstruct import schema
 from reconstruct.__main__ import main
 

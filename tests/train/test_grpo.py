@@ -55,7 +55,7 @@ def rows_of(path) -> list[dict]:
      ({"lora_dropout": 1.0}, "lora-dropout"), ({"grad_clip": 0.0}, "grad-clip")],
 )  # fmt: skip
 def test_config_refuses_settings_that_cannot_work(tmp_path, override, message):
-    with pytest.raises(grpo.ConfigError, match=message):
+    with pytest.raises(grpo.TrainConfigError, match=message):
         make_config(tmp_path, "m", None, **override)
 
 
@@ -85,7 +85,7 @@ def test_yaml_config_then_flags(tmp_path):
     saved.write_text(runtime.config_yaml(cfg))
     assert grpo.parse(["--config", str(saved)]) == dataclasses.replace(cfg, config=saved)
     path.write_text("learning_rate: 1\n")
-    with pytest.raises(grpo.ConfigError, match="learning_rate"):
+    with pytest.raises(grpo.TrainConfigError, match="learning_rate"):
         grpo.parse(["--config", str(path)])
 
 
@@ -367,7 +367,7 @@ def test_resume_gives_the_same_adapter_as_an_uninterrupted_run(tmp_path, tiny_mo
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-6)
     assert [r["step"] for r in rows_of(broken.output / "metrics.jsonl")] == [0, 1, 2, 3, 4, 5]
-    with pytest.raises(grpo.ConfigError, match="same settings"):
+    with pytest.raises(grpo.TrainConfigError, match="same settings"):
         grpo.main(dataclasses.replace(broken, resume=checkpoint, seed=1, output=tmp_path / "other"))
 
 
@@ -401,9 +401,9 @@ def test_bad_input_and_outputs_are_refused(tmp_path, tiny_model_dir):
         grpo.main(cfg)
     cfg.output.mkdir()
     (cfg.output / "adapter_model.safetensors").write_text("x")
-    with pytest.raises(grpo.ConfigError, match="not empty"):
+    with pytest.raises(grpo.TrainConfigError, match="not empty"):
         grpo.main(cfg)
-    with pytest.raises(grpo.ConfigError, match="not a checkpoint"):
+    with pytest.raises(grpo.TrainConfigError, match="not a checkpoint"):
         grpo.main(dataclasses.replace(cfg, resume=tmp_path))
 
 

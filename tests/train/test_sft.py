@@ -338,7 +338,7 @@ def test_accelerate_launch(tmp_path, tiny_model_dir):
      ({"trajectories": ()}, "--trajectories")],
 )  # fmt: skip
 def test_config_refuses_settings_that_cannot_work(tmp_path, override, message):
-    with pytest.raises(grpo.ConfigError, match=message):
+    with pytest.raises(grpo.TrainConfigError, match=message):
         make_config(tmp_path, "m", None, **override)
 
 
@@ -353,9 +353,9 @@ def test_yaml_config_then_flags(tmp_path):
     saved.write_text(runtime.config_yaml(cfg))
     assert sft.parse(["--config", str(saved)]) == dataclasses.replace(cfg, config=saved)
     path.write_text("sessions_per_stp: 4\n")
-    with pytest.raises(grpo.ConfigError, match="sessions_per_stp"):
+    with pytest.raises(grpo.TrainConfigError, match="sessions_per_stp"):
         sft.parse(["--config", str(path)])
-    with pytest.raises(grpo.ConfigError, match=r"missing\.yaml"):
+    with pytest.raises(grpo.TrainConfigError, match=r"missing\.yaml"):
         sft.parse(["--config", str(tmp_path / "missing.yaml")])
 
 
@@ -372,7 +372,7 @@ def test_bad_input_and_outputs_are_refused(tmp_path, tiny_model_dir):
         sft.main(cfg)
     cfg.output.mkdir()
     (cfg.output / "adapter_model.safetensors").write_text("x")
-    with pytest.raises(grpo.ConfigError, match="not empty"):
+    with pytest.raises(grpo.TrainConfigError, match="not empty"):
         sft.main(cfg)
     only_context = make_config(tmp_path / "b", tiny_model_dir, [trace(mask=[0, 0, 0])])
     with pytest.raises(data.DataError, match=r"no trace with a taught token.*'nothing_trained': 1"):

@@ -5,7 +5,7 @@ response with the swebench reward and the main chain's exact token ids (polar_gy
         "+config_paths=[responses_api_agents/polar_swe_agent/configs/polar_swe_agent.yaml]"
 
 Started by Gym in its own virtualenv (requirements.txt), as ``python app.py`` in this folder. The rollout service
-(``python -m eval.rollout_service``) and the capture proxy in front of the policy model run beside it; see
+(``python -m eval serve-rollouts``) and the capture proxy in front of the policy model run beside it; see
 eval/nemo_gym/README.md. ``/v1/responses`` is not served: the harness owns the agent loop (Gym's
 external-agent-loop profile).
 """

@@ -6,7 +6,7 @@
     answer = verify_response(row, results, model="tiny")      # Gym's BaseVerifyResponse, as a dict
 
 Standard library only: it runs in the virtualenv Gym makes for this agent (app.py) and in polar-rl's tests. The
-service (``python -m eval.rollout_service``) runs the harness through the capture proxy, grades the patch with
+service (``python -m eval serve-rollouts``) runs the harness through the capture proxy, grades the patch with
 swebench and rebuilds token traces; this module only reshapes what it returns:
 
 - the main chain (the trace with the most calls) becomes Responses-API output items, call by call: reasoning,
@@ -56,7 +56,7 @@ class ServiceError(RuntimeError):
 
 
 class ServiceClient:
-    """The rollout service's HTTP API (eval/rollout_service.py), blocking, over urllib."""
+    """The rollout service's HTTP API (eval/service/app.py), blocking, over urllib."""
 
     def __init__(self, url: str, *, token: str | None = None, poll_s: float = 2.0) -> None:
         self.url = url.rstrip("/")

@@ -1,0 +1,238 @@
+"""Processes of a run: free ports, the loopback services (the reference server and `mitmdump` with the capture
+addon), and stopping a process tree.
+
+Used by the demo, rollouts, the rollout service, tests and benchmarks. Each service is a real subprocess on a free
+127.0.0.1 port, its output in a log file, stopped on ``stop()``/``with`` exit, also when startup fails.
+:func:`stop_tree` stops a harness, a grading script or a phase with everything it started.
+
+:func:`check_proxy` is the one place that decides whether a proxy records: it asks the addon's
+``GET /polar/health``. mitmproxy keeps forwarding when the addon failed to load (a repeated
+``--set polar_...`` option is enough), so a port that answers proves nothing; the rollout CLI, the
+rollout service and :class:`Mitmdump` (hence the demo) all refuse a proxy that does not answer it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+ADDON = ROOT / "addon" / "polar.py"
+HEALTH_PATH = "/polar/health"  # addon/polar.py answers it itself
+# Through a regular-mode (transparent) proxy the health request needs some plain-HTTP origin; the addon
+# answers the path before the host matters, so this name is never resolved.
+HEALTH_ORIGIN = "http://polar.invalid"
+
+
+class ProxyNotRecording(ConnectionError):  # an OSError: the CLIs print it as an error, not a traceback
+    """The proxy does not answer ``GET /polar/health`` as the capture addon, or says it cannot record.
+
+    ``answered``: something answered (the upstream through an addon-less proxy, or the addon itself
+    saying it cannot write); false when nothing did.
+    """
+
+    def __init__(self, message: str, *, answered: bool) -> None:
+        super().__init__(message)
+        self.answered = answered
+
+
+def check_proxy(url: str, *, transparent: bool = False, timeout: float = 10.0) -> dict[str, Any]:
+    """The addon's health answer from the proxy at ``url`` (without /v1); raises :class:`ProxyNotRecording`.
+
+    ``transparent``: ``url`` is a regular-mode proxy (``--transparent`` rollouts), asked as a proxy.
+    """
+    base = url.rstrip("/").removesuffix("/v1")
+    if transparent:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({"http": base}))
+        target = HEALTH_ORIGIN + HEALTH_PATH
+    else:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via the caller's proxy
+        target = base + HEALTH_PATH
+    hint = (
+        f"start it with `mitmdump ... -s {ADDON.relative_to(ROOT)}` and read its log: mitmproxy keeps forwarding "
+        "without the addon when the script fails to load (e.g. a --set polar_... option given twice)"
+    )
+    try:
+        with opener.open(target, timeout=timeout) as response:
+            status, raw = response.status, response.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    except OSError as e:
+        raise ProxyNotRecording(
+            f"the capture proxy {base} does not answer GET {HEALTH_PATH} ({e}); {hint}", answered=False
+        ) from e
+    try:
+        health = json.loads(raw)
+    except ValueError:
+        health = None
+    if status != 200 or not isinstance(health, dict) or health.get("loaded") is not True:
+        got = raw[:200].decode("utf-8", "replace")
+        raise ProxyNotRecording(
+            f"{base} answers GET {HEALTH_PATH} with {status} {got!r}, not the capture addon's health: "
+            f"the addon is not loaded, so calls through it would not be recorded; {hint}",
+            answered=True,
+        )
+    if not health.get("writable"):
+        raise ProxyNotRecording(
+            f"the capture proxy {base} cannot write its records ({health.get('problem') or 'polar_dir is not writable'}"
+            f", polar_dir {health.get('options', {}).get('polar_dir')}): it would refuse every model call",
+            answered=True,
+        )
+    return health
+
+
+def stop_tree(proc: subprocess.Popen, *, grace: float = 0.0) -> None:
+    """Stop ``proc`` and every process under it, then reap it. Harness sessions and shell tools start their own
+    process groups (``start_new_session``), so the tree is followed by parent links, and the group ``proc`` leads,
+    if any, is signalled too: it holds the background children that outlived their parent. With ``grace`` > 0
+    each gets SIGTERM first and SIGKILL only if it is still there ``grace`` seconds later (mitmdump, the trainer);
+    with 0, SIGKILL at once."""
+    tree: list[psutil.Process] = []
+    if proc.poll() is None:  # once reaped, its pid may be another process's
+        with contextlib.suppress(psutil.NoSuchProcess):
+            parent = psutil.Process(proc.pid)
+            tree = [parent, *parent.children(recursive=True)]
+    for sig in ([signal.SIGTERM] if grace > 0 else []) + [signal.SIGKILL]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)  # no such group unless proc was started with start_new_session
+        for p in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(sig)
+        if sig == signal.SIGTERM:
+            tree = psutil.wait_procs(tree, timeout=grace)[1]
+    proc.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Service:
+    """A subprocess listening on ``self.port``; ready once the port accepts connections."""
+
+    def __init__(self, cmd: list[str], *, port: int, log: Path, startup_timeout: float = 120.0) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log
+        self._log_file = open(log, "ab")  # noqa: SIM115 - the process writes it until close()
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT
+        )
+        try:
+            self._wait_until_listening(startup_timeout)
+        except Exception as e:
+            self.stop()
+            raise RuntimeError(f"{cmd[0]} did not start ({e}); its output:\n{self.output()}") from e
+
+    def _wait_until_listening(self, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"exited with {self.proc.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise TimeoutError(f"nothing listens on port {self.port} after {timeout:.0f} s")
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def kill9(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()  # mitmdump shuts down cleanly on SIGTERM: the addon flushes its writer
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log_file.close()
+
+    def __enter__(self) -> Service:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class ReferenceServer(Service):
+    """``python -m eval serve --model DIR`` (see eval/upstream/server.py)."""
+
+    def __init__(
+        self,
+        model: Path,
+        *,
+        log: Path,
+        script: Path | None = None,
+        seed: int = 0,
+        lora: dict[str, Path] | None = None,
+        flavor: str = "vllm",
+    ) -> None:
+        port = free_port()
+        cmd = [sys.executable, "-m", "eval", "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
+        cmd += ["--seed", str(seed)] + (["--script", str(script)] if script else [])
+        cmd += ["--flavor", flavor]
+        if lora:
+            cmd += ["--lora-modules", *(f"{name}={path}" for name, path in lora.items())]
+        super().__init__(cmd, port=port, log=log)
+
+
+class Mitmdump(Service):
+    """``mitmdump --mode reverse:UPSTREAM -s addon/polar.py`` on loopback; ``addon=False`` runs it bare."""
+
+    def __init__(
+        self,
+        upstream: str,
+        polar_dir: Path | None,
+        *,
+        log: Path,
+        addon: bool = True,
+        startup_timeout: float = 120.0,
+        **options: str,
+    ) -> None:
+        port = free_port()
+        mitmdump = Path(sys.executable).parent / "mitmdump"
+        cmd = [str(mitmdump), "--mode", f"reverse:{upstream}", "--listen-host", "127.0.0.1", "-p", str(port)]
+        cmd += ["--set", "flow_detail=0", "--set", "termlog_verbosity=warn"]
+        if addon:
+            cmd += ["-s", str(ADDON), "--set", f"polar_dir={polar_dir}"]
+            cmd += [arg for name, value in options.items() for arg in ("--set", f"{name}={value}")]
+        super().__init__(cmd, port=port, log=log, startup_timeout=startup_timeout)
+        self.health: dict[str, Any] | None = None
+        if addon:
+            self.health = self._wait_until_recording(startup_timeout)
+
+    def _wait_until_recording(self, timeout: float) -> dict[str, Any]:
+        """Poll the addon's health: mitmdump may answer a moment before its script is loaded (or has failed
+        to load); an answer that is not the addon's, for 2 s on end, means it never will be."""
+        deadline, foreign_since = time.time() + timeout, None
+        while True:
+            try:
+                return check_proxy(self.url, timeout=5.0)
+            except ProxyNotRecording as e:
+                now = time.time()
+                foreign_since = (foreign_since or now) if e.answered else None
+                if self.proc.poll() is None and now < deadline and (foreign_since is None or now - foreign_since < 2.0):
+                    time.sleep(0.2)
+                    continue
+                self.stop()
+                raise ProxyNotRecording(f"{e}\nmitmdump's output:\n{self.output()}", answered=e.answered) from e

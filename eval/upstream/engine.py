@@ -1,0 +1,583 @@
+"""Batched token-by-token generation for the reference server (eval/upstream/server.py): one scheduler thread
+decodes all running requests together (continuous batching, as vLLM does it, simplified), with raw log-probs and
+incremental decoding.
+
+    engine = Engine(Path("models/tiny"), seed=0, max_batch=32)
+    for piece in generate(engine, prompt_ids, Sampling(max_tokens=16, temperature=0)): ...
+
+Each ``Piece`` is one generated token with its log-prob entry and the parsed events its text produced, so the
+server streams a chunk per token. Log-probs are vLLM's default raw ones: log_softmax of the model's logits, before
+temperature and top-p. With ``forced`` token ids the model is teacher-forced instead of sampled (scripted replies).
+
+Scheduling. Requests queue for a background thread that owns the model. It prefills each newcomer alone (one
+forward over its prompt), then merges that KV cache into the running batch of the same adapter, left-padding the
+shorter side: one copy per join. Each decode step is then one forward for all rows of one adapter (None: the base
+model), with an attention mask over the padding and explicit position ids per row, because Llama/Qwen3 do not infer
+positions from the mask; batches of different adapters take turns, step by step. Every row keeps its own sampling
+settings and random generator. Rows leave when they finish or when their consumer stops reading (a stop string, a
+client that hung up): the batch is compacted before its next step. At most ``max_batch`` rows run; further
+requests wait. An error in a forward pass reaches the requests of that forward as an exception; the scheduler
+carries on with the others.
+
+Prefix caching (vLLM's automatic prefix caching, simplified). An agent session's every prompt is the previous one
+plus the answer and a tool result, and sessions share a system prompt, so most of a prompt's KV was computed before.
+The scheduler keeps the KV of each prompt once prefilled, and of each row when it leaves the batch (finished or
+abandoned: prompt and generated tokens, less the last sampled one, which was never fed), keyed by adapter and token
+ids, in a store bounded by its total tokens that evicts the least recently used. A newcomer's prefill starts from
+the entry sharing the longest common prefix with its prompt, sliced to that prefix, and runs only the rest
+(at least the last prompt token, whose logits give the first output token, unless the same prompt came before:
+its logits are kept too, so a repeated prompt needs no forward and gets exactly what the first one got). Entries
+serve only requests of the same adapter, and loading or unloading an adapter retires its entries. Outputs match a
+run without the cache up to float noise: a prefill split in two sums in another order (log-probs within 1e-4).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import os
+import queue
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+# Set before transformers imports huggingface_hub, which reads it once: the model is always a local directory.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+import torch.nn.functional as F
+
+from eval.upstream.toolparse import Event, OutputParser, StopStrings
+
+__all__ = ["Detokenizer", "Engine", "Piece", "PrefixCache", "Sampling", "generate"]
+
+_STATS_EVERY_S = 30.0  # how often at most the scheduler logs the prefix cache's counters
+_KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values (1, kv_heads, T, head_dim)
+
+
+@dataclasses.dataclass
+class Sampling:
+    """What one request asks of generation."""
+
+    max_tokens: int
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None  # None: the server's generator, seeded once at startup
+    stop: list[str] = dataclasses.field(default_factory=list)
+    logprobs: bool = False
+    top_logprobs: int = 0  # -1: the whole vocabulary, as in vLLM
+    parse_tools: bool = False  # vLLM parses tool calls only when there are tools and tool_choice is not "none"
+    adapter: str | None = None  # a loaded LoRA adapter's name; None: the base model
+
+
+@dataclasses.dataclass
+class Step:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+    finish: str | None  # "stop" (end of turn, end of the forced ids) | "length" | None; stop strings are generate's
+
+
+@dataclasses.dataclass
+class Piece:
+    """One generated token and what it adds to the answer; ``finish_reason`` is set on the last one."""
+
+    token_id: int
+    logprob: dict[str, Any] | None  # OpenAI logprob entry, when asked for
+    events: list[Event]
+    finish_reason: str | None  # "stop" | "length" | None
+
+
+@dataclasses.dataclass(eq=False)
+class _Sequence:
+    """One request inside the scheduler."""
+
+    prompt_ids: list[int]
+    sampling: Sampling
+    forced: list[int] | None
+    generator: torch.Generator
+    replies: queue.SimpleQueue[Step | Exception] = dataclasses.field(default_factory=queue.SimpleQueue)
+    cancelled: bool = False  # set from the consumer's thread once it stops reading
+    generated: list[int] = dataclasses.field(default_factory=list)  # sampled (or forced) so far
+    model: tuple[str | None, int] = (None, 0)  # (adapter, its load count) at prefill: the key of its cache entries
+
+    @property
+    def n_generated(self) -> int:
+        return len(self.generated)
+
+    @property
+    def last_token(self) -> int:
+        """The input of its next decode step."""
+        return self.generated[-1]
+
+    @property
+    def position(self) -> int:
+        """``last_token``'s position: the number of tokens before it, whatever padding the batch adds."""
+        return len(self.prompt_ids) + self.n_generated - 1
+
+
+class _Batch:
+    """The running rows of one adapter: one KV cache, left-padded to a common length, and its padding mask."""
+
+    def __init__(self, seq: _Sequence, cache: Any) -> None:
+        self.rows = [seq]
+        self.cache = cache  # DynamicCache; cache.layers[i].keys / .values: (B, kv_heads, L, head_dim)
+        self.mask = torch.ones(1, cache.get_seq_length(), dtype=torch.long)  # (B, L): 0 on left padding
+
+    def join(self, seq: _Sequence, cache: Any) -> None:
+        """Appends a prefilled row (its cache: batch of 1). Every tensor is built before any is replaced, so a
+        failure leaves the batch as it was."""
+        length = max(self.mask.shape[1], cache.get_seq_length())
+        layers = list(zip(self.cache.layers, cache.layers, strict=True))
+        keys = [_stack_left_padded(mine.keys, theirs.keys, length, 2) for mine, theirs in layers]
+        values = [_stack_left_padded(mine.values, theirs.values, length, 2) for mine, theirs in layers]
+        ones = torch.ones(1, cache.get_seq_length(), dtype=torch.long)  # (1, T)
+        mask = _stack_left_padded(self.mask, ones, length, 1)
+        for layer, layer_keys, layer_values in zip(self.cache.layers, keys, values, strict=True):
+            layer.keys, layer.values = layer_keys, layer_values  # (B + 1, kv_heads, length, head_dim)
+        self.mask = mask  # (B + 1, length)
+        self.rows.append(seq)
+
+    def row_kv(self, i: int) -> tuple[int, _KV]:
+        """Row ``i``'s token count and a copy of its KV per layer (keys, values: (1, kv_heads, n, head_dim)); its
+        tokens are the last n columns, the padding being on the left. A copy, not a view that would keep the whole
+        batch's tensors alive."""
+        n = int(self.mask[i].sum())
+        copy = {"memory_format": torch.contiguous_format}
+        return n, [
+            (x.keys[i : i + 1, :, -n:].clone(**copy), x.values[i : i + 1, :, -n:].clone(**copy))
+            for x in self.cache.layers
+        ]
+
+    def keep(self, rows: list[int]) -> None:
+        """Keeps only the rows at these indices, then drops the padding columns that no remaining row needs."""
+        if len(rows) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in rows]
+        if not rows:
+            return  # the scheduler drops an empty batch
+        index = torch.tensor(rows)
+        mask = self.mask.index_select(0, index)  # (B', L)
+        start = int(mask.any(0).nonzero()[0])  # the first column a remaining row uses
+        self.mask = mask[:, start:]  # (B', L')
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, index)[:, :, start:]  # (B', kv_heads, L', head_dim)
+            layer.values = layer.values.index_select(0, index)[:, :, start:]
+
+
+def _stack_left_padded(a: torch.Tensor, b: torch.Tensor, length: int, seq_dim: int) -> torch.Tensor:
+    """``a`` and ``b`` concatenated on the batch dim (0), each zero-padded on the left of ``seq_dim`` to ``length``."""
+    trailing = (0, 0) * (a.dim() - seq_dim - 1)  # F.pad takes (left, right) pairs from the last dim backwards
+    return torch.cat([F.pad(x, (*trailing, length - x.shape[seq_dim], 0)) for x in (a, b)])
+
+
+@dataclasses.dataclass(eq=False)
+class _Entry:
+    model: tuple[str | None, int]  # (adapter, its load count when the KV was computed); (None, 0): the base model
+    ids: torch.Tensor  # (T,) the token ids whose KV is held
+    kv: _KV
+    logits: dict[int, torch.Tensor]  # prompt length n -> the logits (1, V) after ids[:n], for prompts ending there
+
+
+class PrefixCache:
+    """KV caches of earlier prompts and answers, for prompts that start with the same tokens: at most
+    ``max_tokens`` tokens in all (0: off), the least recently used evicted first. The scheduler thread owns it;
+    the counters are for tests and the stats line.
+
+    Each prompt's logits after its last token are kept too, so a prompt seen before (a GRPO group's samples, a
+    retried call) needs no forward pass at all and gets exactly what the first got."""
+
+    def __init__(self, max_tokens: int) -> None:
+        if max_tokens < 0:
+            raise ValueError(f"the prefix cache's token budget must be at least 0 (0: off), not {max_tokens}")
+        self.max_tokens = max_tokens
+        self.entries: list[_Entry] = []  # least recently used first; none is a prefix of another of its model
+        self.tokens = 0  # held by all entries
+        self.prompts = self.hits = 0  # prefills; those that started from a cached prefix
+        self.reused_tokens = self.prefilled_tokens = 0  # prompt tokens taken from the cache; run through the model
+
+    def match(self, model: tuple[str | None, int], prompt_ids: list[int]) -> tuple[int, Any, torch.Tensor | None]:
+        """The longest cached prefix of the prompt: its length n, a DynamicCache holding its KV, and the logits
+        after it when it is the whole prompt (else n < len(prompt_ids): the rest needs a forward pass); or
+        (0, None, None). Counts the prompt's tokens as reused or to prefill."""
+        from transformers import DynamicCache
+
+        ids = torch.tensor(prompt_ids)  # (T,)
+        best, score = None, (0, False)
+        for entry in self.entries:
+            if entry.model == model:
+                common = _common_prefix(entry.ids, ids)
+                if (common, common == len(ids) and common in entry.logits) > score:
+                    best, score = entry, (common, common == len(ids) and common in entry.logits)
+        n, whole = score
+        n = n if whole else min(n, len(prompt_ids) - 1)  # without its logits, the last token runs through the model
+        self.prompts += 1
+        self.prefilled_tokens += len(prompt_ids) - max(n, 0)
+        if best is None or n <= 0:
+            return 0, None, None
+        self._touch(best)
+        self.hits += 1
+        self.reused_tokens += n
+        # DynamicCache copies the slices, so the forward's appends never reach the entry.
+        cache = DynamicCache(ddp_cache_data=[(keys[:, :, :n], values[:, :, :n]) for keys, values in best.kv])
+        return n, cache, best.logits[n] if whole else None
+
+    def put(self, model: tuple[str | None, int], ids: list[int], kv: _KV, logits: torch.Tensor | None = None) -> None:
+        """Keeps ``kv``, the KV of exactly ``ids`` (and ``logits``, those after the last of them), unless an entry
+        holds them already; entries that ``ids`` extends are dropped, passing on their logits, then the least
+        recently used over budget."""
+        if not 0 < len(ids) <= self.max_tokens:
+            return
+        new = torch.tensor(ids)  # (T,)
+        kept = {} if logits is None else {len(ids): logits}
+        for entry in [e for e in self.entries if e.model == model]:
+            common = _common_prefix(entry.ids, new)
+            if common == len(ids):  # this entry holds them, and maybe more
+                entry.logits.update(kept)
+                self._touch(entry)
+                return
+            if common == len(entry.ids):  # all it could give, the new one gives
+                kept.update(entry.logits)
+                self._remove(entry)
+        self.entries.append(_Entry(model, new, kv, kept))
+        self.tokens += len(ids)
+        while self.tokens > self.max_tokens:
+            self._remove(self.entries[0])
+
+    def retain(self, models: set[tuple[str | None, int]]) -> None:
+        """Drops the entries of any other model: adapters unloaded, or loaded again since (new weights)."""
+        for entry in [e for e in self.entries if e.model not in models]:
+            self._remove(entry)
+
+    def summary(self) -> str:
+        total = self.reused_tokens + self.prefilled_tokens
+        return (
+            f"prefix cache: {self.hits} of {self.prompts} prompts hit, {self.reused_tokens} of {total} prompt tokens "
+            f"reused ({self.reused_tokens / max(total, 1):.1%}); {len(self.entries)} entries hold {self.tokens} of "
+            f"{self.max_tokens} tokens"
+        )
+
+    def _touch(self, entry: _Entry) -> None:
+        self.entries.remove(entry)
+        self.entries.append(entry)
+
+    def _remove(self, entry: _Entry) -> None:
+        self.entries.remove(entry)
+        self.tokens -= len(entry.ids)
+
+
+def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many leading token ids ``a`` and ``b`` (1-D) share."""
+    n = min(len(a), len(b))
+    differ = (a[:n] != b[:n]).nonzero()  # (k, 1)
+    return int(differ[0]) if len(differ) else n
+
+
+class Engine:
+    """The model, driven by one scheduler thread that batches the decode steps of all running requests, and the
+    tokenizer, which request threads use behind a lock."""
+
+    def __init__(self, model_dir: Path, seed: int, max_batch: int = 32, prefix_cache_tokens: int = 65536) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, not {max_batch}")
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+        self.model.eval()
+        # Joining rows pads and concatenates whole caches, which is only right when every layer keeps all tokens.
+        if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=self.model.config).layers):
+            raise ValueError(f"{model_dir}: sliding-window or linear-attention layers cannot be batched here")
+        self.max_len: int = self.model.config.max_position_embeddings
+        vocab = self.tokenizer.get_vocab()
+        eos = {vocab[t] for t in ("<|im_end|>", "<|endoftext|>") if t in vocab}
+        self.eos_ids = eos | {self.tokenizer.eos_token_id}
+        self.max_batch = max_batch
+        self.adapters: dict[str, str] = {}  # LoRA adapter name -> the folder it was loaded from
+        self._loads: dict[str, int] = {}  # adapter name -> loads and unloads so far: a new count retires its KV
+        self.prefix_cache = PrefixCache(prefix_cache_tokens)  # the scheduler thread's alone
+        self._stats_due = time.monotonic() + _STATS_EVERY_S
+        self._tokenizer_lock = threading.Lock()  # fast tokenizers raise "Already borrowed" when two threads encode
+        self._model_lock = threading.Lock()  # adapters are loaded and unloaded between forward passes
+        self._generator = torch.Generator().manual_seed(seed)  # the scheduler thread's alone
+        self._waiting: queue.Queue[_Sequence | None] = queue.Queue()  # None: wake up to stop
+        self._batches: dict[str | None, _Batch] = {}  # adapter -> its running rows; the scheduler thread's alone
+        self._stopping = threading.Event()
+        self._scheduler = threading.Thread(target=self._schedule, name="engine-scheduler", daemon=True)
+        self._scheduler.start()
+        atexit.register(self._stop)
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Load a PEFT LoRA adapter (``train/grpo.py``'s output) under ``name``; requests for model ``name`` use
+        it, others the base model, as vLLM's ``--lora-modules`` and ``/v1/load_lora_adapter`` do."""
+        from peft import PeftModel
+
+        with self._model_lock, warnings.catch_warnings():
+            # peft reads `is_gradient_checkpointing`, which transformers 5 deprecates with a FutureWarning.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            if not self.adapters:
+                self.model = PeftModel.from_pretrained(self.model, path, adapter_name=name).eval()
+            else:
+                self.model.load_adapter(path, adapter_name=name)
+            self.adapters[name] = path
+            self._loads[name] = self._loads.get(name, 0) + 1
+
+    def unload_adapter(self, name: str) -> None:
+        with self._model_lock:
+            if len(self.adapters) == 1:  # the last one: back to the plain base model
+                self.model = self.model.unload()
+            else:
+                self.model.delete_adapter(name)
+            del self.adapters[name]
+            self._loads[name] += 1
+
+    def _forward(self, adapter: str | None, **inputs: Any) -> Any:
+        """One forward pass with ``adapter`` active (None: the base model); the caller holds the model lock."""
+        if not self.adapters:
+            return self.model(**inputs)
+        if adapter is None:
+            with self.model.disable_adapter():
+                return self.model(**inputs)
+        self.model.set_adapter(adapter)
+        return self.model(**inputs)
+
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *, generation_prompt: bool
+    ) -> str:
+        """The chat template's text, ending in ``<|im_start|>assistant\n`` when ``generation_prompt``."""
+        with self._tokenizer_lock:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False
+            )
+
+    def encode(self, text: str) -> list[int]:
+        with self._tokenizer_lock:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
+
+    def steps(self, prompt_ids: list[int], sampling: Sampling, forced: list[int] | None) -> Iterator[Step]:
+        """Queues the request now; the iterator yields its tokens as the scheduler samples them (with ``forced``:
+        replays them). Closing the iterator early takes the request out of the batch."""
+        generator = self._generator if sampling.seed is None else torch.Generator().manual_seed(sampling.seed)
+        seq = _Sequence(prompt_ids, sampling, forced, generator)
+        self._waiting.put(seq)
+        return self._replies(seq)
+
+    def _replies(self, seq: _Sequence) -> Iterator[Step]:
+        try:
+            while True:
+                try:
+                    reply = seq.replies.get(timeout=1.0)
+                except queue.Empty:
+                    if not self._scheduler.is_alive():  # it died of a bug; its traceback is in the log
+                        raise RuntimeError("the engine's scheduler thread has stopped") from None
+                    continue
+                if isinstance(reply, Exception):
+                    raise RuntimeError(f"generation failed: {type(reply).__name__}: {reply}") from reply
+                yield reply
+                if reply.finish:
+                    return
+        finally:
+            seq.cancelled = True  # finished or abandoned: either way the scheduler drops the row
+
+    def _schedule(self) -> None:
+        """The scheduler thread: admit waiting requests while there is room, then one decode step per adapter."""
+        with torch.inference_mode():
+            while not self._stopping.is_set():
+                self._admit()
+                for adapter in list(self._batches):
+                    self._decode(adapter)
+
+    def _stop(self) -> None:
+        """At interpreter exit, lets the scheduler end after its current step: a daemon thread still inside a torch
+        op when Python finalizes aborts the process ("terminate called without an active exception")."""
+        self._stopping.set()
+        self._waiting.put(None)
+        self._scheduler.join()
+
+    def _admit(self) -> None:
+        """Prefills waiting requests until ``max_batch`` rows run; blocks while none does."""
+        while not self._stopping.is_set() and sum(len(b.rows) for b in self._batches.values()) < self.max_batch:
+            try:
+                seq = self._waiting.get(block=not self._batches)
+            except queue.Empty:
+                return
+            if seq is None:
+                return  # _stop's wake-up call
+            if not seq.cancelled:
+                self._prefill(seq)
+
+    def _prefill(self, seq: _Sequence) -> None:
+        """One forward over the prompt alone, or over what follows its longest cached prefix, then the row joins its
+        adapter's batch unless it is already done. The prompt's KV goes to the prefix cache, so that requests queued
+        behind it with the same system prompt reuse it at once."""
+        adapter = seq.sampling.adapter
+        try:
+            with self._model_lock:  # adapters change between forward passes, so their load counts cannot here
+                seq.model = (adapter, self._loads.get(adapter, 0))
+                self.prefix_cache.retain({(None, 0), *((name, self._loads[name]) for name in self.adapters)})
+                start, cache, logits = self.prefix_cache.match(seq.model, seq.prompt_ids)
+                if logits is None:  # else the whole prompt was cached, and the logits after it
+                    out = self._forward(
+                        adapter,
+                        input_ids=torch.tensor([seq.prompt_ids[start:]]),  # (1, T - start)
+                        position_ids=torch.arange(start, len(seq.prompt_ids))[None],  # (1, T - start)
+                        cache=cache,  # None: no cached prefix
+                        use_cache=True,
+                        logits_to_keep=1,
+                    )
+                    cache, logits = out.cache, out.logits[:, -1].float()  # (1, V)
+            self.prefix_cache.put(seq.model, seq.prompt_ids, [(x.keys, x.values) for x in cache.layers], logits)
+            self._log_stats()
+            if not self._emit([seq], logits):
+                return
+            if adapter in self._batches:
+                self._batches[adapter].join(seq, cache)
+            else:
+                self._batches[adapter] = _Batch(seq, cache)
+        except Exception as e:  # noqa: BLE001 - whatever it is, the request gets it instead of hanging
+            seq.replies.put(e)
+
+    def _decode(self, adapter: str | None) -> None:
+        """One forward for all rows of ``adapter``'s batch; rows that finish or were abandoned leave it."""
+        batch = self._batches[adapter]
+        try:
+            self._leave(batch, [i for i, seq in enumerate(batch.rows) if not seq.cancelled])
+            if batch.rows:
+                input_ids = torch.tensor([[seq.last_token] for seq in batch.rows])  # (B, 1)
+                position_ids = torch.tensor([[seq.position] for seq in batch.rows])  # (B, 1)
+                mask = F.pad(batch.mask, (0, 1), value=1)  # (B, L + 1)
+                with self._model_lock:
+                    # transformers 5.24 renamed past_key_values to cache (the old name warns until 5.40).
+                    out = self._forward(
+                        adapter,
+                        input_ids=input_ids,
+                        attention_mask=mask,
+                        position_ids=position_ids,
+                        cache=batch.cache,  # extended in place by the forward pass
+                        use_cache=True,
+                        logits_to_keep=1,
+                    )
+                batch.mask = mask
+                self._leave(batch, self._emit(batch.rows, out.logits[:, -1].float()))  # (B, V)
+        except Exception as e:  # noqa: BLE001 - the batch's requests get it; the other batches carry on
+            for seq in batch.rows:
+                seq.replies.put(e)
+            batch.rows = []
+        if not batch.rows:
+            del self._batches[adapter]
+
+    def _leave(self, batch: _Batch, staying: list[int]) -> None:
+        """``batch.keep(staying)``, once the KV of the rows leaving is in the prefix cache: all their tokens that
+        went through the model (not the last sampled one, unless its forward ran before the row was abandoned)."""
+        if self.prefix_cache.max_tokens:
+            for i in sorted(set(range(len(batch.rows))) - set(staying)):
+                seq = batch.rows[i]
+                n, kv = batch.row_kv(i)
+                self.prefix_cache.put(seq.model, (seq.prompt_ids + seq.generated)[:n], kv)
+        batch.keep(staying)
+
+    def _log_stats(self) -> None:
+        """Now and then a line on stderr, the server's log, on what the prefix cache saved (vLLM logs its hit rate)."""
+        if self.prefix_cache.max_tokens and time.monotonic() >= self._stats_due:
+            self._stats_due = time.monotonic() + _STATS_EVERY_S
+            print(f"engine: {self.prefix_cache.summary()}", file=sys.stderr, flush=True)
+
+    def _emit(self, rows: list[_Sequence], logits: torch.Tensor) -> list[int]:
+        """Picks each row's next token from its logits (B, V) and sends it; returns the indices of unfinished rows."""
+        logp = torch.log_softmax(logits, dim=-1)  # (B, V)
+        going_on = []
+        for i, (seq, row_logits, row_logp) in enumerate(zip(rows, logits, logp, strict=True)):
+            if seq.cancelled:
+                continue
+            forced = seq.forced
+            token = forced[seq.n_generated] if forced is not None else _sample(row_logits, seq.sampling, seq.generator)
+            seq.generated.append(token)
+            k = row_logp.shape[-1] if seq.sampling.top_logprobs == -1 else seq.sampling.top_logprobs
+            top = row_logp.topk(k) if k else None
+            pairs = list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else []
+            finish = None
+            if token in self.eos_ids or (forced is not None and seq.n_generated == len(forced)):
+                finish = "stop"
+            elif seq.n_generated >= seq.sampling.max_tokens:
+                finish = "length"
+            seq.replies.put(Step(token, row_logp[token].item(), pairs, finish))
+            if finish is None:
+                going_on.append(i)
+        return going_on
+
+
+def _sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
+    if sampling.temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits / sampling.temperature, dim=-1)  # (V,)
+    if sampling.top_p < 1:
+        sorted_p, order = probs.sort(descending=True)  # (V,), (V,)
+        sorted_p[sorted_p.cumsum(-1) - sorted_p >= sampling.top_p] = 0  # tokens wholly past the nucleus
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)  # (V,)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class Detokenizer:
+    """Turns token ids into text deltas without splitting a character across deltas (vLLM's method: decode a
+    window that starts one step back, and emit only once it no longer ends in U+FFFD)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._ids: list[int] = []
+        self._prefix = self._read = 0
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        before = self._engine.decode(self._ids[self._prefix : self._read])
+        text = self._engine.decode(self._ids[self._prefix :])
+        if len(text) <= len(before) or text.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(before) :]
+
+    def flush(self) -> str:
+        """The rest, at the end: a character the last token left incomplete comes out as U+FFFD."""
+        before = self._engine.decode(self._ids[self._prefix : self._read])
+        return self._engine.decode(self._ids[self._prefix :])[len(before) :]
+
+
+def generate(
+    engine: Engine, prompt_ids: list[int], sampling: Sampling, forced: list[int] | None = None
+) -> Iterator[Piece]:
+    """Token ids -> text -> stop strings -> reasoning/tool-call parser, one token at a time. Closing it early (or a
+    stop string) ends the request in the engine too."""
+    detok, stops = Detokenizer(engine), StopStrings(sampling.stop)
+    parser = OutputParser(parse_tools=sampling.parse_tools)
+    with contextlib.closing(engine.steps(prompt_ids, sampling, forced)) as steps:
+        for step in steps:
+            finish = step.finish
+            text, hit = stops.feed(detok.push(step.token_id) + (detok.flush() if finish else ""))
+            if hit:
+                finish = "stop"  # the tokens stay (vLLM returns them too); the text stops before the stop string
+            elif finish:
+                text += stops.flush()
+            events = parser.feed(text) + (parser.flush() if finish else [])
+            yield Piece(step.token_id, _logprob_entry(engine, step) if sampling.logprobs else None, events, finish)
+            if finish:
+                return
+
+
+def _logprob_entry(engine: Engine, step: Step) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        token = engine.token_text(token_id)
+        logprob = max(logprob, -9999.0)  # as vLLM: -inf is not valid JSON
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", errors="replace"))}
+
+    return {**entry(step.token_id, step.logprob), "top_logprobs": [entry(t, lp) for t, lp in step.top]}

@@ -1,0 +1,297 @@
+"""Reference upstream: an OpenAI-compatible chat server on transformers that answers like vLLM, fully offline.
+
+    python -m eval serve --model models/tiny --port 8000 [--host 127.0.0.1] [--script turns.json] [--seed 0]
+        [--lora-modules NAME=DIR ...] [--flavor vllm|sglang] [--max-batch 32] [--prefix-cache-tokens 65536]
+
+Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions`` (streamed or not), and ``POST
+/v1/responses`` shaped like vLLM's (see ``ResponsesCall``); LoRA adapters as vLLM serves them
+(``--lora-modules NAME=DIR``, ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``). Beyond OpenAI's
+fields it honours vLLM's ``return_token_ids``, ``logprobs`` and ``top_logprobs`` and answers with vLLM's extra
+fields (``prompt_token_ids``, ``choices[0].token_ids``, and per streamed chunk the ``token_ids`` and ``logprobs``
+of that chunk's tokens), because the capture proxy in front of it relies on them. Log-probs are vLLM's default
+raw ones: log_softmax of the model's logits, before temperature and top-p. Concurrent requests are decoded
+together, one forward pass per token for all of them (eval/upstream/engine.py), and a stream sends each token as
+soon as it is sampled; each token gets its own chunk, also when a parser holds its text back (vLLM does the same,
+so no token id is lost).
+
+``--script FILE`` replaces sampling with scripted assistant messages (format in eval/upstream/script.py): each request
+of a session (header ``x-polar-session``, else "default") takes that session's next message, rendered through the chat
+template and teacher-forced through the model, so its token ids and log-probs are real; it is then parsed and sent
+exactly like sampled output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+import traceback
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Literal
+
+import jinja2
+
+from eval.upstream.engine import Engine, Sampling, generate
+from eval.upstream.protocol import (
+    BadRequest,
+    ChatRequest,
+    ResponsesCall,
+    completion_body,
+    get_field,
+    parse_request,
+    stream_chunks,
+)
+from eval.upstream.script import Script
+
+__all__ = ["Args", "Server", "main"]
+
+
+@dataclasses.dataclass
+class Args:
+    """Reference upstream settings."""
+
+    model: Path
+    """Model directory written by eval.upstream.models (any local causal LM with a chat template works)."""
+    port: int = 8000
+    """TCP port; 0 picks a free one, which the startup line reports."""
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    script: Path | None = None
+    """Assistant messages to replay per session instead of sampling (JSON list or JSONL)."""
+    seed: int = 0
+    """Seeds sampling for requests that carry no ``seed`` of their own."""
+    max_tokens: int = 256
+    """Completion length, in tokens, when a request sets neither max_tokens nor max_completion_tokens."""
+    flavor: Literal["vllm", "sglang"] = "vllm"
+    """Whose token fields to speak: vLLM's (``return_token_ids``: ``prompt_token_ids``, ``choices[].token_ids``,
+    ids on every streamed chunk) or SGLang's (``return_prompt_token_ids``, ``return_meta_info``: ids and
+    ``meta_info.output_token_logprobs`` per choice; streamed, one ``sglext`` chunk with the input and output ids,
+    and SGLang's refusal of the non-streamed fields on a stream)."""
+    lora_modules: tuple[str, ...] = ()
+    """LoRA adapters to serve, as vLLM's flag: NAME=DIR (a PEFT folder, e.g. train/grpo.py's output); a request
+    whose model is NAME uses it. More can be loaded at run time: POST /v1/load_lora_adapter."""
+    max_batch: int = 32
+    """Most requests decoded together (vLLM's --max-num-seqs); more wait for a free row."""
+    prefix_cache_tokens: int = 65536
+    """Automatic prefix caching (vLLM's --enable-prefix-caching): at most this many tokens of earlier prompts' and
+    answers' KV are kept, so a prompt that starts the same way prefills only the rest; 0 turns it off. Memory: 2 x
+    layers x kv_heads x head_dim x 4 bytes per token, 45 KiB for SmolLM2-135M (65536 tokens: 2.8 GiB)."""
+
+
+class Server(ThreadingHTTPServer):
+    """The HTTP server holding the engine; one thread per connection."""
+
+    def __init__(self, config: Args) -> None:
+        self.engine = Engine(
+            config.model, config.seed, max_batch=config.max_batch, prefix_cache_tokens=config.prefix_cache_tokens
+        )
+        self.script = Script.load(config.script) if config.script else None
+        self.model_name = str(config.model)  # vLLM's default served name is its --model argument
+        self.default_max_tokens = config.max_tokens
+        self.flavor = config.flavor
+        self.started = int(time.time())
+        for module in config.lora_modules:
+            name, eq, path = module.partition("=")
+            if not (eq and name and Path(path, "adapter_config.json").is_file()):
+                raise SystemExit(f"--lora-modules {module!r}: expected NAME=DIR with DIR/adapter_config.json")
+            self.engine.load_adapter(name, path)
+        super().__init__((config.host, config.port), Handler)
+
+    def prepare(self, req: ChatRequest, session: str) -> tuple[list[int], Sampling, list[int] | None]:
+        """Prompt token ids, sampling settings, and the scripted answer's token ids when replaying a script."""
+        try:
+            prompt = self.engine.render(req.messages, req.tools, generation_prompt=True)
+        except jinja2.TemplateError as e:
+            raise BadRequest(f"the chat template cannot render these messages: {e}", "messages") from e
+        prompt_ids = self.engine.encode(prompt)
+        room = self.engine.max_len - len(prompt_ids)
+        if room < (req.max_tokens or 1):
+            raise BadRequest(
+                f"This model's maximum context length is {self.engine.max_len} tokens. However, you requested "
+                f"{len(prompt_ids) + (req.max_tokens or 1)} tokens ({len(prompt_ids)} in the messages, "
+                f"{req.max_tokens or 1} in the completion).",
+                "messages",
+            )
+        forced = None if self.script is None else self._scripted_answer(req, prompt, session)
+        # A scripted answer is never cut short by the default; a sampled one from a random model would run on.
+        default = room if forced is not None else min(self.default_max_tokens, room)
+        adapter = req.model if req.model in self.engine.adapters else None
+        return prompt_ids, Sampling(max_tokens=req.max_tokens or default, adapter=adapter, **req.sampling), forced
+
+    def _scripted_answer(self, req: ChatRequest, prompt: str, session: str) -> list[int]:
+        """Token ids of the session's next scripted message: the text the template adds after the generation
+        prompt, up to and including <|im_end|>."""
+        assert self.script is not None
+        try:
+            scripted = self.script.take(session)
+        except KeyError as e:
+            raise BadRequest(e.args[0], "model") from e
+        full = self.engine.render([*req.messages, scripted], req.tools, generation_prompt=False)
+        if not full.startswith(prompt):
+            raise RuntimeError("the chat template does not render prompt + answer as an extension of the prompt")
+        eos = self.engine.tokenizer.eos_token
+        answer = full[len(prompt) :]
+        return self.engine.encode(answer[: answer.index(eos) + len(eos)])
+
+
+def _error(status: int, message: str) -> dict[str, Any]:
+    kind = {404: "not_found_error", 500: "internal_server_error"}[status]
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive; streams use chunked transfer encoding
+    disable_nagle_algorithm = True  # else each small SSE write waits ~40 ms for the client's delayed ACK
+    server: Server
+    _response_started = False  # set per request once a streamed response has sent its headers
+
+    def do_GET(self) -> None:
+        path = self.path.partition("?")[0]
+        if path == "/health":
+            self._send(200, b"", "application/json")
+        elif path == "/v1/models":
+            model = {
+                "id": self.server.model_name,
+                "object": "model",
+                "created": self.server.started,
+                "owned_by": "polar",
+                "max_model_len": self.server.engine.max_len,
+            }
+            adapters = [
+                {**model, "id": name, "root": path, "parent": self.server.model_name}
+                for name, path in self.server.engine.adapters.items()
+            ]
+            self._send_json(200, {"object": "list", "data": [model, *adapters]})
+        else:
+            self._send_json(404, _error(404, f"no route GET {path}"))
+
+    def do_POST(self) -> None:
+        path = self.path.partition("?")[0]
+        if path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            self._lora(path)
+            return
+        if path not in ("/v1/chat/completions", "/v1/responses"):
+            self.close_connection = True  # its body is left unread, so the connection cannot carry another request
+            self._send_json(404, _error(404, f"no route POST {path}"))
+            return
+        self._response_started = False
+        session = self.headers.get("x-polar-session", "default")
+        try:
+            if path == "/v1/responses":
+                self._responses(ResponsesCall(self._read_json(), self.server.model_name), session)
+                return
+            req = parse_request(self._read_json(), self.server.model_name, self.server.flavor)
+            prompt_ids, sampling, forced = self.server.prepare(req, session)
+            # Closed on the way out, also when the client hangs up, so the engine drops the request at once.
+            with contextlib.closing(generate(self.server.engine, prompt_ids, sampling, forced)) as pieces:
+                if req.stream:
+                    self._stream(stream_chunks(req, prompt_ids, pieces))
+                else:
+                    self._send_json(200, completion_body(req, prompt_ids, pieces))
+        except BadRequest as e:
+            self._send_json(400, e.body())
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True  # the client went away; generation stops with it
+        except Exception as e:  # noqa: BLE001 - any other failure is a 500, never a silently dropped connection
+            traceback.print_exc()
+            if self._response_started:  # mid-stream: all we can do is cut the stream
+                self.close_connection = True
+            else:
+                self._send_json(500, _error(500, f"{type(e).__name__}: {e}"))
+
+    def _lora(self, path: str) -> None:
+        """vLLM's runtime LoRA routes: ``{"lora_name": ..., "lora_path": ...}`` loads, ``{"lora_name": ...}``
+        unloads; answered in plain text, as vLLM does."""
+        try:
+            body = self._read_json()
+            name = get_field(body, "lora_name", str) if isinstance(body, dict) else None
+            if not name:
+                raise BadRequest("'lora_name' is required", "lora_name")
+            engine = self.server.engine
+            if path.endswith("/unload_lora_adapter"):
+                if name not in engine.adapters:
+                    raise BadRequest(f"The lora adapter '{name}' cannot be found.", "lora_name")
+                engine.unload_adapter(name)
+                message = f"Success: LoRA adapter '{name}' removed successfully."
+            else:
+                folder = get_field(body, "lora_path", str)
+                if name in engine.adapters:
+                    raise BadRequest(f"The lora adapter '{name}' has already been loaded.", "lora_name")
+                if not folder or not Path(folder, "adapter_config.json").is_file():
+                    raise BadRequest(f"'lora_path' must be a PEFT adapter folder, not {folder!r}", "lora_path")
+                engine.load_adapter(name, folder)
+                message = f"Success: LoRA adapter '{name}' added successfully."
+        except BadRequest as e:
+            self._send_json(400, e.body())
+            return
+        self._send(200, message.encode(), "text/plain")
+
+    def _responses(self, call: ResponsesCall, session: str) -> None:
+        prompt_ids, sampling, forced = self.server.prepare(call.chat, session)
+        decode = self.server.engine.tokenizer.decode
+        with contextlib.closing(generate(self.server.engine, prompt_ids, sampling, forced)) as pieces:
+            if not call.translation.stream:
+                answer = call.translation.answer(completion_body(call.chat, prompt_ids, call.tap(pieces)))
+                self._send_json(200, call.finish(answer, prompt_ids, decode))
+                return
+            self._response_started = True
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for data in call.events(prompt_ids, pieces, decode):
+                self._write_chunk(data)
+            self.wfile.write(b"0\r\n\r\n")
+
+    def _read_json(self) -> Any:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            raw = b""
+            while size := int(self.rfile.readline().split(b";")[0], 16):
+                raw += self.rfile.read(size)
+                self.rfile.readline()
+            self.rfile.readline()  # the blank line after the last chunk
+        else:
+            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BadRequest(f"the request body is not valid JSON: {e}") from e
+
+    def _stream(self, chunks: Iterator[dict[str, Any]]) -> None:
+        self._response_started = True
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for chunk in chunks:
+            self._write_chunk(b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n")
+        self._write_chunk(b"data: [DONE]\n\n")
+        self.wfile.write(b"0\r\n\r\n")
+
+    def _write_chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+    def _send_json(self, status: int, body: dict[str, Any]) -> None:
+        self._send(status, json.dumps(body, ensure_ascii=False).encode(), "application/json")
+
+    def _send(self, status: int, data: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def main(config: Args) -> None:
+    server = Server(config)
+    print(f"serving {server.model_name} on http://{config.host}:{server.server_port}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()

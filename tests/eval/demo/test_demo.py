@@ -1,0 +1,229 @@
+"""eval/demo/loop.py end to end on the tiny model: the run folder it writes, the summary's numbers against those files,
+learning measured through the whole loop, and a Ctrl-C that leaves no process behind.
+
+The reference server replays a script per session so that rewards differ within the trained task's group: in
+samples 0 and 2 the bash call fixes the bug, the other samples answer that they cannot. Replies are teacher-forced,
+so each stage's captures hold the served policy's log-probs of the same tokens: GRPO must raise those of the
+rewarded reply and lower those of the unrewarded one, as the next stage's captures show.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import psutil
+import pytest
+
+from eval.demo import report as demo_report
+from eval.runs import read_rewards, read_sessions
+from reconstruct import schema
+
+ROOT = Path(__file__).resolve().parents[3]
+TASK, HELDOUT, TEACH = "polar-toy__retries-1", "polar-toy__units-1", "polar-toy__greeting-1"
+SAMPLES, HELDOUT_SAMPLES = 4, 2
+FIX = [
+    {
+        "content": None,
+        "tool_calls": [{"name": "bash", "arguments": {"command": "sed -i 's/= 3/= 5/' client/policy.py"}}],
+    },
+    {"content": "The retry limit is now 5.", "tool_calls": []},
+]
+GIVE_UP = [{"content": "I cannot fix this.", "tool_calls": []}]
+SCRIPT = {"*retries-1-[02]": FIX, "*": GIVE_UP}
+STAGES = ["base", "sft", "grpo1"]
+# The first test of a worker runs the whole loop (about 90 s alone, several times that beside the other tests).
+DEMO_TIMEOUT = 1200
+
+
+def demo_command(model: Path, tmp: Path) -> list[str]:
+    script = tmp / "script.json"
+    script.write_text(json.dumps(SCRIPT))
+    return [
+        sys.executable,
+        "-m",
+        "eval",
+        "demo",
+        "--model",
+        str(model),
+        "--script",
+        str(script),
+        "--teach",
+        TEACH,
+        "--tasks",
+        TASK,
+        "--heldout",
+        HELDOUT,
+        "--samples",
+        str(SAMPLES),
+        "--heldout-samples",
+        str(HELDOUT_SAMPLES),
+        "--rounds",
+        "1",
+        "--sft-steps",
+        "2",
+        "--sft-lr",
+        "0.01",
+        "--lr",
+        "0.005",
+        "--grpo-steps",
+        "1",
+        "--max-tokens",
+        "None",
+        "--threads",
+        "1",
+        "--out",
+        str(tmp / "runs"),
+    ]
+
+
+def fast_demo_run(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Path:
+    """The run folder of one fast demo, made once per test session (tests/test_notebooks.py reads it too)."""
+    base = tmp_path_factory.getbasetemp() / "fast-demo"
+    finished = sorted(base.glob("runs/*/summary.json"))
+    if finished:
+        return finished[0].parent
+    base.mkdir(exist_ok=True)
+    done = subprocess.run(demo_command(model, base), check=False, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    (base / "stdout.txt").write_text(done.stdout)
+    return next(base.glob("runs/*/summary.json")).parent
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory, tiny_model_dir) -> Path:
+    return fast_demo_run(tmp_path_factory, tiny_model_dir)
+
+
+def records(folder: Path) -> list[dict]:
+    return [json.loads(line) for f in sorted(folder.glob("*.jsonl")) for line in f.read_text().splitlines() if line]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(DEMO_TIMEOUT)
+def test_demo_writes_the_run_folder_and_its_summary_agrees_with_the_files(demo_run):
+    run = demo_run
+    for path in (
+        "summary.json",
+        "report.html",
+        "logs/server.log",
+        "logs/teacher-server.log",
+        "teacher-script.json",
+        "teacher/trajectories.parquet",
+        "adapters/sft/adapter_model.safetensors",
+        "adapters/sft/metrics.jsonl",
+        "adapters/grpo1/adapter_config.json",
+        "adapters/grpo1/metrics.jsonl",
+        *(f"{s}/trajectories.parquet" for s in STAGES),
+        *(f"{s}-heldout/rewards.parquet" for s in STAGES),
+        *(f"logs/mitmdump-{s}.log" for s in STAGES),
+    ):
+        assert (run / path).is_file(), path
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary == {**summary, **demo_report.summary(run)}  # the numbers written are the files' numbers
+    assert summary["order"] == STAGES
+
+    # The teacher session: the worked fix replayed through the harness and the proxy, resolved, trained on by SFT.
+    teacher = summary["stages"]["teacher"]
+    assert (teacher["resolved"], teacher["graded"]) == (1, 1)
+    assert summary["train"]["sft"]["steps"] == 2 and summary["train"]["sft"]["sessions"] == 1
+
+    for stage in STAGES:
+        numbers = summary["stages"][stage]
+        sessions, rewards = read_sessions(run / stage), read_rewards(run / stage)
+        traces = schema.read(demo_report.trajectories_path(run, stage))
+        assert numbers["graded"] == sessions.height == rewards.height == traces.height == SAMPLES
+        captured = records(run / "captures" / stage)
+        assert numbers["calls_captured"] == len(captured) == 2 * 2 + 1 * 2  # FIX: 2 calls, GIVE_UP: 1
+        model = Path(summary["model"]).name if stage == "base" else stage
+        assert {r["request"]["model"] for r in captured} == {model} == set(sessions["model"])
+        resolved = rewards.filter(pl.col("resolved")).sort("sample_id")["sample_id"].to_list()
+        assert resolved == [0, 2] and numbers["pass_rate"] == 0.5 and numbers["ci95"][0] < 0.5 < numbers["ci95"][1]
+        assert numbers["heldout"]["graded"] == HELDOUT_SAMPLES and numbers["heldout"]["resolved"] == 0
+        assert dict(zip(traces["session_id"], traces["reward"], strict=True)) == dict(
+            zip(rewards["session_id"], rewards["reward"], strict=True)
+        )
+
+    grpo = summary["train"]["grpo1"]
+    assert grpo["steps"] == 1 and grpo["groups_with_signal"] == grpo["groups"] == 1
+    gain = next(t for t in summary["tests"] if t["to"] == "grpo1" and t["from"] == "sft")
+    assert gain["p_value"] == pytest.approx(1.0) and gain["verdict"].startswith(
+        "no significant change"
+    )  # replayed: same counts
+    assert "GRPO's own gain" in summary["note"] and "Held-out tasks" in summary["note"]
+    report = (run / "report.html").read_text()
+    assert report.count("<svg") == 1 + 2 and "accelerate launch" in report and "95 % interval" in report
+
+    # The summary phase reruns alone too, and recounts the same numbers.
+    subprocess.run([sys.executable, "-m", "eval", "demo-report", str(run)], cwd=ROOT, check=True, capture_output=True)
+    assert json.loads((run / "summary.json").read_text()) == summary
+
+
+def sampled(run: Path, stage: str, rewarded: bool) -> list[tuple[int, float]]:
+    """(token id, captured log-prob) of every sampled token of a stage's rewarded (or unrewarded) sessions."""
+    traces = schema.read(demo_report.trajectories_path(run, stage)).filter(pl.col("reward") == float(rewarded))
+    return [
+        (t, lp)
+        for ids, lps, mask in zip(traces["response_ids"], traces["logprobs"], traces["loss_mask"], strict=True)
+        for t, lp, m in zip(ids, lps, mask, strict=True)
+        if m
+    ]
+
+
+def mean_logprob(run: Path, stage: str, rewarded: bool) -> float:
+    """Mean captured log-prob of the sampled tokens of a stage's rewarded (or unrewarded) sessions, leaving out
+    the tokens both replies share (the end-of-turn marker): GRPO pushes those up and down at once."""
+    shared = {t for t, _ in sampled(run, stage, True)} & {t for t, _ in sampled(run, stage, False)}
+    return float(np.mean([lp for t, lp in sampled(run, stage, rewarded) if t not in shared]))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(DEMO_TIMEOUT)
+def test_the_loop_learns_the_rewarded_reply(demo_run):
+    """The same replies, served by the SFT adapter and then by the GRPO adapter trained on the SFT stage's
+    rewards: the policy now gives the rewarded reply more probability and the unrewarded one less."""
+    rewarded = {s: mean_logprob(demo_run, s, True) for s in ("base", "sft", "grpo1")}
+    unrewarded = {s: mean_logprob(demo_run, s, False) for s in ("sft", "grpo1")}
+    assert rewarded["grpo1"] > rewarded["sft"] + 0.02
+    assert unrewarded["grpo1"] < unrewarded["sft"] - 0.2
+    assert rewarded["grpo1"] - unrewarded["grpo1"] > rewarded["sft"] - unrewarded["sft"] + 0.2  # the preference
+    # SFT taught the teacher's tool-call form: the base gave it less probability than the SFT adapter does.
+    assert rewarded["sft"] > rewarded["base"] + 0.02
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(DEMO_TIMEOUT)
+def test_ctrl_c_stops_every_phase_and_service(tiny_model_dir, tmp_path):
+    # Its own process group, signalled as a whole: what a terminal's Ctrl-C does to a foreground job.
+    demo = subprocess.Popen(
+        demo_command(tiny_model_dir, tmp_path),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + DEMO_TIMEOUT / 2  # the teacher and SFT phases come first
+    while not list(tmp_path.glob("runs/*/captures/base/*.jsonl")) and time.monotonic() < deadline:
+        assert demo.poll() is None, demo.stdout.read()
+        time.sleep(0.2)
+    running = descendants(demo.pid)
+    assert any("eval serve" in " ".join(p.cmdline()) for p in running)  # the rollout is under way
+    os.killpg(demo.pid, signal.SIGINT)
+    out, _ = demo.communicate(timeout=60)
+    assert demo.returncode == 130, out[-3000:]
+    assert "interrupted" in out
+    time.sleep(1)
+    assert [p for p in running if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
