@@ -39,7 +39,7 @@ _LOGPROB = re.compile(r'"logprob":\s*(-?[0-9][0-9.eE+-]*|-?Infinity|NaN)')
 _FINISH = re.compile(r'"finish_reason":\s*"([^"\\]*)"')
 _OTHER_INDEX = re.compile(r'"index":\s*[1-9]')  # a second choice, or a second tool call: the exact path
 _ODD = ("\r", "\nevent:", '"error":', '"sglext":')  # CR line ends, named events, errors, SGLang: the exact path
-_EMPTY_DELTA = '"delta":{}'  # vLLM's delta for held-back text; once more than the final chunk's: the exact path
+_EMPTY_DELTA = re.compile(r'"delta":\s*\{\}')  # vLLM's for held-back text; beyond the final chunk's: the exact path
 
 
 class _Choice:
@@ -174,7 +174,7 @@ class ChatAssembler:
         head = text[:cut]
         if any(m in head or text.find(m, stop) >= 0 for m in _ODD) or _OTHER_INDEX.search(head):
             return None
-        if text.count(_EMPTY_DELTA, stop) > 1:
+        if len(_EMPTY_DELTA.findall(text, stop)) > 1:
             return None
         end = text.rfind('"usage"')
         start = text.rfind("\ndata: {", 0, end) + 7
