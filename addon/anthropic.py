@@ -226,9 +226,12 @@ def _part(block: dict[str, Any], i: int) -> dict[str, Any]:
 
 
 def _tool(tool: dict[str, Any]) -> dict[str, Any]:
-    function = {"name": tool.get("name"), "parameters": tool["input_schema"]}
+    # vLLM renders a tool's keys as name, description, parameters, whatever order they came in (issue 15): the
+    # same order here, so the prompt retokenized from the record is the prompt vLLM rendered.
+    function: dict[str, Any] = {"name": tool.get("name")}
     if tool.get("description"):
         function["description"] = tool["description"]
+    function["parameters"] = tool["input_schema"]
     return {"type": "function", "function": function}
 
 

@@ -37,7 +37,7 @@ if __package__ in (None, "", "__mitmproxy_script__"):
     # `mitmdump -s addon/polar.py` loads this file as a loose script: make its package importable.
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from addon import apis, chat, native, proxy_errors, reroute, responses, session, translating
+from addon import apis, chat, constrained, native, proxy_errors, reroute, responses, session, translating
 from addon.record import FORMAT_VERSION, Body, Exchange
 from addon.writer import CaptureWriter
 
@@ -330,6 +330,9 @@ class Polar:
             ex.error = {"kind": "request", "message": message}
             return
         self._rewrite(flow, ex, headers, data, to_provider)
+        if not to_provider:  # a provider's own decoding is not ours to judge; its records are retokenized anyway
+            sent = ex.upstream_request if ex.upstream_request is not None else ex.request
+            ex.constrained = constrained.constraints(sent.value)
         # The record keeps the body's bytes; the parsed copy would double what a large body costs.
         for kept in (ex.request, ex.upstream_request):
             if kept is not None and kept.json_bytes is not None:

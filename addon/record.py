@@ -42,6 +42,11 @@ field                  meaning
                        Chat Completions (then ``upstream_request`` is that body and ``response_body``
                        the upstream's chat answer); false otherwise. Records written before this
                        field existed lack it: readers then look at ``upstream_request`` itself
+``constrained``        the fields of the body sent upstream that constrain decoding (``tool_choice``
+                       required or named, ``response_format`` / ``text.format`` with a schema, vLLM's
+                       ``structured_outputs`` / ``guided_*``; addon/constrained.py): the sampled ids'
+                       log-probs are then not the policy's. ``[]`` when none. Added in issue 15 without
+                       a version change (an added field); records written before lack it
 ``upstream_request``   the body sent upstream when it differs from ``request`` in more than the
                        ``injected`` keys (null otherwise: then it is ``request`` with ``injected``
                        merged in, see :func:`upstream_body`)
@@ -260,6 +265,7 @@ class Exchange:
     injected: dict[str, Any] = field(default_factory=dict)
     upstream_request: Body | None = None
     translated: bool = False  # the native request went upstream as Chat Completions
+    constrained: list[str] = field(default_factory=list)  # the upstream body's decoding constraints
     status: int | None = None
     streamed: bool = False
     response_headers: dict[str, str] | None = None
@@ -317,6 +323,7 @@ def encode_parts(ex: Exchange, decode_content: Any) -> tuple[bytes, ...]:
         "response_headers": ex.response_headers,
         "injected": ex.injected,
         "translated": ex.translated,
+        "constrained": ex.constrained,
         "chunks": [[round((t - ex.t_start) * 1000, 3), len(c)] for t, c in zip(ex.chunk_times, ex.chunks, strict=True)],
         "request_raw": ex.request.raw,
         "response_b64": response_b64,

@@ -33,6 +33,7 @@ class Completion:
     logprobs: list[float] | None  # their sampling log-probs, one per id
     finish_reason: str | None
     assemble: Callable[[], dict[str, Any]] = dataclasses.field(repr=False)  # builds ``message`` when first read
+    swallowed: int = 0  # streamed ids whose text the upstream's tool-call parser held back and never sent
 
     @functools.cached_property
     def message(self) -> dict[str, Any]:
@@ -88,6 +89,8 @@ class Call:
     problem: str | None = None  # a Problem value when there are no usable tokens
     detail: str = ""  # free text for the problem
     notes: list[str] = dataclasses.field(default_factory=list)  # anomalies the stats count (see _extract)
+    swallowed: bool = False  # a streamed client never saw part of the sampled text (see Completion.swallowed)
+    constrained: bool = False  # decoded under a constraint: its log-probs are not the policy's (dropped)
     usage_prompt: int | None = None  # the prompt token count the upstream's usage reported, checked after merging
     agent: str | None = None  # what identifies the agent (see agent_key); computed when first asked for
 

@@ -39,10 +39,11 @@ _LOGPROB = re.compile(r'"logprob":\s*(-?[0-9][0-9.eE+-]*|-?Infinity|NaN)')
 _FINISH = re.compile(r'"finish_reason":\s*"([^"\\]*)"')
 _OTHER_INDEX = re.compile(r'"index":\s*[1-9]')  # a second choice, or a second tool call: the exact path
 _ODD = ("\r", "\nevent:", '"error":', '"sglext":')  # CR line ends, named events, errors, SGLang: the exact path
+_EMPTY_DELTA = re.compile(r'"delta":\s*\{\}')  # vLLM's for held-back text; beyond the final chunk's: the exact path
 
 
 class _Choice:
-    __slots__ = ("deltas", "finish", "ids", "logprobs", "message_", "prompt", "tokens")
+    __slots__ = ("deltas", "finish", "ids", "logprobs", "message_", "prompt", "swallowed", "tokens")
 
     def __init__(self) -> None:
         self.ids: list[int] | None = None
@@ -52,6 +53,7 @@ class _Choice:
         self.message_: dict[str, Any] | None = None  # non-streamed: the message as sent
         self.finish: str | None = None
         self.prompt: TokenText | None = None
+        self.swallowed = 0  # streamed ids that came with an empty delta and no finish reason (see completion)
 
     def add_logprobs(self, logprobs: Any, *, tokens: bool) -> None:
         """Log-probs of one chunk's tokens; their token strings too when the chunk carried no ids."""
@@ -106,7 +108,12 @@ class _Choice:
         logprobs: list[float] | None = self.logprobs
         if ids is None or len(self.logprobs) != len(ids) or not _numbers(self.logprobs):
             logprobs = None
-        return Completion(index, self.prompt or prompt, ids, logprobs, self.finish, self.message)
+        completion = Completion(index, self.prompt or prompt, ids, logprobs, self.finish, self.message)
+        # vLLM's tool-call parser holds back text it takes for the start of a call (empty deltas ``{}`` while ids
+        # flow); when no call came of it, the streamed client never saw that text (issue 15).
+        if self.swallowed and not completion.message["tool_calls"]:
+            completion.swallowed = self.swallowed
+        return completion
 
 
 class ChatAssembler:
@@ -166,6 +173,8 @@ class ChatAssembler:
         cut, stop = span
         head = text[:cut]
         if any(m in head or text.find(m, stop) >= 0 for m in _ODD) or _OTHER_INDEX.search(head):
+            return None
+        if len(_EMPTY_DELTA.findall(text, stop)) > 1:
             return None
         end = text.rfind('"usage"')
         start = text.rfind("\ndata: {", 0, end) + 7
@@ -241,6 +250,8 @@ class ChatAssembler:
             delta = raw.get("delta")
             if isinstance(delta, dict) and delta and delta != _NOTHING:
                 choice.deltas.append(delta)
+            elif delta == {} and ids and not raw.get("finish_reason"):  # the final chunk's end-of-turn id: not text
+                choice.swallowed += len(ids)
             if raw.get("finish_reason"):
                 choice.finish = raw["finish_reason"]
         if obj.get("usage"):  # vLLM's continuous_usage_stats: on every chunk, the last one counts

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from addon import apis, native
+from addon.constrained import constraints
 from addon.record import upstream_body
 from reconstruct._calls import Call, Completion, Problem, Request
 from reconstruct._chat import ChatAssembler
@@ -47,6 +48,7 @@ Converter = Callable[[dict[str, Any]], dict[str, Any] | None]
 # Notes a call can carry, counted in the stats.
 IDS_DISAGREE = "captured ids disagree with usage"  # the upstream dropped ids (vllm#27482): rebuilt or dropped
 USAGE_MISMATCH = "retokenized counts disagree with usage"
+CONSTRAINED = "constrained decoding: log-probs dropped"  # not the policy's (addon/constrained.py): recomputed
 
 
 def extract(record: dict[str, Any], retokenizer: Retokenizer | None) -> list[Call] | None:
@@ -146,6 +148,7 @@ def extract_chat(record: dict[str, Any], retokenizer: Retokenizer | None) -> lis
     complete = record.get("complete") is True and not asm.torn and asm.error is None
     ids_ok = _ids_agree_with_usage(completions, asm.usage)
     request = Request(lambda: _request_parts(record))  # parsed only if someone reads it (see _calls.Request)
+    constrained = _constrained(record)
     calls = []
     for comp in completions:
         call = _call(record, request, comp, complete, len(completions))
@@ -158,8 +161,21 @@ def extract_chat(record: dict[str, Any], retokenizer: Retokenizer | None) -> lis
             call.problem, call.detail = Problem.MISSING_IDS, "no token ids in the answer and no --tokenizer"
         if not ids_ok:
             call.notes.append(IDS_DISAGREE)
+        call.swallowed = comp.swallowed > 0
+        if constrained:  # the trace's log-probs become null: the trainer recomputes them under the policy
+            call.constrained = True
+            if call.logprobs is not None:
+                call.logprobs = None
+                call.notes.append(CONSTRAINED)
         calls.append(call)
     return calls
+
+
+def _constrained(record: dict[str, Any]) -> bool:
+    """Whether the upstream decoded the call under a constraint: the record's ``constrained`` list; records
+    written before it existed are judged by the body sent upstream."""
+    found = record.get("constrained")
+    return bool(found) if isinstance(found, list) else bool(constraints(upstream_body(record)))
 
 
 def _request_parts(record: dict[str, Any]) -> tuple[str | None, list[Any] | None, list[Any] | None]:

@@ -35,11 +35,13 @@ from reconstruct._calls import Call
 
 __all__ = ["CAUSES", "Trace", "merge", "vote_eot"]
 
-CAUSES = ("prompt_rewritten", "separate_agent", "sibling", "drift", "missing_ids", "incomplete")
+CAUSES = ("prompt_rewritten", "separate_agent", "sibling", "drift", "swallowed_text", "missing_ids", "incomplete")
 """Why a trace starts anywhere but at a session's first call: a prompt that extends no earlier one though the
 agent (system prompt and tools) is the same — compaction or rewritten history; a different agent (sub-agent,
 new chat); the continuation of the same prefix was taken by another call (retry, n>1, fork); the next prompt
-re-rendered the sampled turn (under split, or when keep finds no end-of-turn to cut at); the prefix call's ids
+re-rendered the sampled turn (under split, or when keep finds no end-of-turn to cut at); the same, where the
+re-rendered turn is one whose text the upstream's tool-call parser kept from a streamed client (vLLM's empty
+deltas, issue 15: the harness sent back what it saw, not what was sampled); the prefix call's ids
 came from the other source (captured vs retokenized); an exchange that did not finish."""
 
 
@@ -101,7 +103,7 @@ def merge(
         if e is None:
             cause = root_causes[i]
         elif not eligible(i):
-            cause = "drift"
+            cause = "swallowed_text" if ordered[e.parent].swallowed else "drift"
         else:
             cause = "sibling" if ordered[i].complete else "incomplete"
         traces.append(_assemble([ordered[k] for k in chain], [edges[k] for k in chain[1:]], cause))

