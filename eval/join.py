@@ -3,7 +3,7 @@
     python -m eval join trajectories.parquet RUN_DIR -o trajectories.rewarded.parquet
 
 The task mapping is the one ``python -m reconstruct --sessions RUN_DIR/sessions.parquet`` applies
-(reconstruct._io.read_sessions), so both agree; a trace already mapped to a different task is refused. Rewards
+(reconstruct.read_session_tasks), so both agree; a trace already mapped to a different task is refused. Rewards
 come from RUN_DIR/rewards.parquet (``python -m eval score RUN_DIR``) by session id, the same reward on every trace
 of a session (the outcome reward is broadcast, as in Polar). Traces of sessions outside the run keep what they
 had. Reports traces of the run that got no reward (it stays null) and rewarded sessions with no trace (nothing
@@ -21,8 +21,7 @@ import tyro
 from rich.console import Console
 
 from eval.runs import REWARDS, SESSIONS, RunError, read_rewards
-from reconstruct import schema
-from reconstruct._io import read_sessions
+from reconstruct import read_session_tasks, schema
 
 __all__ = ["Args", "JoinStats", "join", "main"]
 
@@ -52,7 +51,7 @@ class JoinStats:
 
 def join(trajectories: pl.DataFrame, run_dir: Path) -> tuple[pl.DataFrame, JoinStats]:
     """``trajectories`` (the trajectory schema) with the run's task_id, sample_id and reward filled in."""
-    tasks = read_sessions(run_dir / SESSIONS)
+    tasks = read_session_tasks(run_dir / SESSIONS)
     rewards = read_rewards(run_dir).select("session_id", "reward")
     duplicated = rewards.filter(pl.col("session_id").is_duplicated())["session_id"].unique().sort().to_list()
     if duplicated:

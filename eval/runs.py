@@ -9,18 +9,17 @@
 ``sessions.parquet`` is written by ``python -m eval rollout`` and ``rewards.parquet`` by ``python -m eval score``;
 ``python -m reconstruct --sessions RUN_DIR/sessions.parquet`` maps sessions to tasks in the trajectories, and
 ``python -m eval join`` fills their rewards. Format version 1 of both, stored in the Parquet key-value metadata
-under ``polar.run.version``. Writes are atomic (temporary file, then rename).
+under ``polar.run.version``. Writes are atomic (``reconstruct.files``: temporary file, then rename).
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import polars as pl
 
 from eval.errors import EvalError
+from reconstruct.files import conform_table, read_versioned_parquet, write_versioned_parquet
 
 FORMAT_VERSION = 1
 VERSION_KEY = "polar.run.version"
@@ -68,41 +67,14 @@ class RunError(EvalError):
     """A run table that does not match its schema; the message names the file and the column."""
 
 
-def _conform(df: pl.DataFrame, schema: pl.Schema, source: str) -> pl.DataFrame:
-    missing = [c for c in schema if c not in df.columns]
-    extra = [c for c in df.columns if c not in schema]
-    if missing or extra:
-        raise RunError(f"{source}: missing columns {missing}, unexpected columns {extra}")
-    try:
-        return df.select([pl.col(name).cast(dtype, strict=True) for name, dtype in schema.items()])
-    except pl.exceptions.InvalidOperationError as e:
-        raise RunError(f"{source}: a column does not cast to the run schema: {e}") from e
-
-
 def _write(df: pl.DataFrame, schema: pl.Schema, path: Path) -> Path:
-    table = _conform(df, schema, str(path))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        table.write_parquet(tmp, compression="zstd", statistics=False, metadata={VERSION_KEY: str(FORMAT_VERSION)})
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    table = conform_table(df, schema, source=str(path), kind="run", error=RunError)
+    return write_versioned_parquet(table, path, VERSION_KEY, FORMAT_VERSION)
 
 
 def _read(path: Path, schema: pl.Schema) -> pl.DataFrame:
-    path = Path(path)
-    try:
-        version = pl.read_parquet_metadata(path).get(VERSION_KEY)
-    except (OSError, pl.exceptions.ComputeError) as e:
-        raise RunError(f"{path}: not a readable Parquet file: {e}") from e
-    if version != str(FORMAT_VERSION):
-        raise RunError(f"{path}: run table format version {version!r}, expected {FORMAT_VERSION}")
-    return _conform(pl.read_parquet(path), schema, str(path))
+    table = read_versioned_parquet(path, VERSION_KEY, FORMAT_VERSION, kind="run table", error=RunError)
+    return conform_table(table, schema, source=str(path), kind="run", error=RunError)
 
 
 def write_sessions(df: pl.DataFrame, run_dir: Path) -> Path:

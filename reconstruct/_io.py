@@ -26,7 +26,6 @@ __all__ = [
     "has_upstream_request",
     "parse_record",
     "read_session_tasks",
-    "read_sessions",
 ]
 
 BLOCK = 8 << 20
@@ -288,11 +287,6 @@ def read_session_tasks(path: Path) -> dict[str, tuple[str | None, int | None]]:
     samples = df["sample_id"].cast(pl.Int32).to_list() if "sample_id" in df.columns else [None] * df.height
     tasks = df["task_id"].cast(pl.String).to_list()
     return {str(s): (t, n) for s, t, n in zip(df["session_id"].cast(pl.String).to_list(), tasks, samples, strict=True)}
-
-
-# eval/join.py's name for read_session_tasks until it imports the public one (reconstruct.read_session_tasks);
-# eval.runs.read_sessions reads a run's whole sessions table, which is another thing.
-read_sessions = read_session_tasks
 
 
 def json_text(value: Any) -> str:

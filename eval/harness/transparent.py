@@ -31,6 +31,7 @@ from eval.errors import EvalError
 from eval.harness import presets
 from eval.harness.install import install
 from eval.procs import ADDON, Service, free_port
+from reconstruct.files import write_atomic
 
 __all__ = ["CA_FILE", "TransparentMitmdump", "harness_env", "proxy_env", "run_transparent"]
 
@@ -47,9 +48,7 @@ def ca_bundle(ca_cert: Path) -> Path:
     roots still reach the hosts the proxy passes through untouched."""
     bundle = ca_cert.with_name(BUNDLE_FILE)
     if not bundle.exists() or bundle.stat().st_mtime < ca_cert.stat().st_mtime:
-        tmp = bundle.with_suffix(".tmp")
-        tmp.write_bytes(Path(certifi.where()).read_bytes() + b"\n" + ca_cert.read_bytes())
-        tmp.replace(bundle)
+        write_atomic(bundle, Path(certifi.where()).read_bytes() + b"\n" + ca_cert.read_bytes())
     return bundle
 
 

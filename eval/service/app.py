@@ -38,13 +38,11 @@ import datetime
 import hmac
 import ipaddress
 import json
-import os
 import queue
 import secrets
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -55,6 +53,7 @@ from eval.harness.presets import PRESETS
 from eval.procs import ProxyNotRecording, check_proxy, stop_tree
 from eval.service.results import copy_session_records, session_results
 from eval.tasks import TaskError, load_tasks, save_tasks, validate
+from reconstruct.files import write_atomic
 
 __all__ = ["Args", "JobError", "Service", "main"]
 
@@ -120,10 +119,7 @@ def _now() -> str:
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     """Readers (and a restart) never see a half-written file: temporary file, then rename."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=1).encode())
 
 
 def parse_submission(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -17,9 +17,8 @@ from typing import Any
 import polars as pl
 
 from eval.runs import REWARDS, SESSIONS, read_rewards, read_sessions
-from reconstruct import schema
-from reconstruct._errors import CaptureError
-from reconstruct._io import discover
+from reconstruct import CaptureError, discover, schema
+from reconstruct.files import write_atomic
 
 __all__ = ["TRACE_FIELDS", "copy_session_records", "session_results"]
 
@@ -37,25 +36,27 @@ def copy_session_records(captures: Path, run_dir: Path, out: Path, summary: Path
         files = discover([captures])
     except CaptureError:  # nothing captured yet (the harnesses never reached the proxy): an empty copy
         files = []
-    tmp = out.with_name(f".{out.name}.tmp")
-    with open(tmp, "wb") as dest:
-        for path in files:
-            with open(path, "rb") as src:
-                for line in src:
-                    if not any(n in line for n in needles):  # cheap test first: most lines are other sessions'
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError:  # a torn last line: reconstruction counts those on its own
-                        continue
-                    if record.get("session_id") not in wanted:
-                        continue
-                    dest.write(line if line.endswith(b"\n") else line + b"\n")
-                    if record.get("api") != "other":
-                        counts[record["session_id"]]["calls"] += 1
-                        bad = not record.get("complete") or record.get("error") or record.get("status") != 200
-                        counts[record["session_id"]]["incomplete_calls"] += bool(bad)
-    tmp.replace(out)
+
+    def copy(tmp: Path) -> None:
+        with open(tmp, "wb") as dest:
+            for path in files:
+                with open(path, "rb") as src:
+                    for line in src:
+                        if not any(n in line for n in needles):  # cheap test first: most lines are other sessions'
+                            continue
+                        try:
+                            record = json.loads(line)
+                        except json.JSONDecodeError:  # a torn last line: reconstruction counts those on its own
+                            continue
+                        if record.get("session_id") not in wanted:
+                            continue
+                        dest.write(line if line.endswith(b"\n") else line + b"\n")
+                        if record.get("api") != "other":
+                            counts[record["session_id"]]["calls"] += 1
+                            bad = not record.get("complete") or record.get("error") or record.get("status") != 200
+                            counts[record["session_id"]]["incomplete_calls"] += bool(bad)
+
+    write_atomic(out, copy)
     summary.write_text(json.dumps(counts, indent=1, sort_keys=True))
     return counts
 
