@@ -4,7 +4,7 @@
         --set polar_reroute=http://127.0.0.1:8000 --set polar_dir=captures
 
 The harness keeps its default base URL and gets only ``HTTPS_PROXY`` and the CA (``confdir/
-mitmproxy-ca-cert.pem``) to trust (``python -m eval.transparent env HARNESS`` prints the line). This
+mitmproxy-ca-cert.pem``) to trust (``python -m eval transparent env HARNESS`` prints the line). This
 addon decides, per flow, what ``Polar`` does with it, in ``flow.metadata[ROUTE_KEY]``:
 
 - ``reroute``: the host is named in ``polar_reroute``. The call goes to our upstream instead, through
