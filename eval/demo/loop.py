@@ -1,6 +1,6 @@
 """The RL loop on one CPU box, measured: teach, then GRPO rounds of rollout -> grade -> reconstruct -> train -> serve.
 
-    python -m eval demo [--model DIR] [--seed 0] [--rounds 2] [--samples 16] [--tasks ID ...] [--heldout ID ...]
+    python -m eval demo [--model DIR] [--seed 0] [--rounds 3] [--samples 16] [--tasks ID ...] [--heldout ID ...]
     make demo [SEED=1] [ROUNDS=3] [SAMPLES=16] [MODEL=DIR] [THREADS=2]
 
 Phases, each its own process joined to the next by files in RUN = runs/demo/<UTC time>/:

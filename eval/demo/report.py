@@ -256,6 +256,14 @@ def note(numbers: dict[str, Any]) -> str:
             + ", ".join(f"{s} {_rate(stages[s]['heldout'])}" for s in heldout)
             + "."
         )
+    timed_out = {s: stages[s].get("statuses", {}).get("timeout", 0) for s in order}
+    if any(timed_out.values()):
+        parts.append(
+            "Sessions killed at the session timeout, counted as failures: "
+            + ", ".join(f"{s} {n}" for s, n in timed_out.items() if n)
+            + ". Those rates measure the machine's load as much as the model: rerun on a quieter machine or with a"
+            " longer --session-timeout."
+        )
     return " ".join(parts)
 
 
