@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from reconstruct import extract, merge
-from reconstruct._extract import CONSTRAINED
+from reconstruct._extract import CONSTRAINED, extract
+from reconstruct._merge import merge
 
 PROMPT = [1, 4093, 198, 50, 2, 198, 1, 520, 198]
 
