@@ -54,7 +54,7 @@ from eval.tasks import TOY_DIR, TOY_REPO_OWNER
 from eval.upstream.models import build_smollm2
 
 console = Console()
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 
 

@@ -61,7 +61,7 @@ __all__ = [
     "write_summary",
 ]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ALPHA = 0.05  # the significance level of every verdict
 CHARTED = ("loss/total", "reward/mean", "policy/entropy", "policy/approx_kl", "optim/grad_norm", "perf/tokens_per_s")
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +24,6 @@ from typing import Any
 
 import openai
 import tyro
-
-from eval.procs import stop_tree
 
 __all__ = ["TOOLS", "Args", "main", "run_command"]
 
@@ -99,8 +99,9 @@ def run_command(command: str, cwd: Path, timeout: float, max_output: int) -> str
         out, _ = proc.communicate(timeout=timeout)
         status = f"exit code: {proc.returncode}"
     except subprocess.TimeoutExpired:
-        # The whole tree: a command's background children would otherwise keep the pipe open forever.
-        stop_tree(proc)
+        # The whole group: a command's background children would otherwise keep the pipe open forever. (Not
+        # eval.procs.stop_tree: this file runs as a script, `python -P mini.py`, with only the stdlib and openai.)
+        os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         status = f"killed after {timeout:g} s (timeout)"
     text = out.decode(errors="replace")
