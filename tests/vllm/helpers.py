@@ -33,10 +33,11 @@ def openai_client(proxy: Any, session: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{proxy.url}/v1", api_key=session, max_retries=0, timeout=600)
 
 
-def rebuild(captures: Path, session: str, tmp: Path, **options: Any) -> tuple[pl.DataFrame, Stats]:
-    """The trajectories and stats of one session's records alone (tests share a capture folder, one session each)."""
-    records = read_records(captures, session=session)
-    assert records, f"no record of session {session}"
+def rebuild(captures: Path, session: str, tmp: Path, *, calls: int, **options: Any) -> tuple[pl.DataFrame, Stats]:
+    """The trajectories and stats of one session's ``calls`` records (tests share a capture folder, one session
+    each). It waits for all of them: the addon writes a record just after its client has the answer."""
+    records = read_records(captures, session=session, expect=calls)
+    assert len(records) == calls, f"session {session}: {len(records)} records, expected {calls}"
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / f"{session}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return reconstruct([tmp / f"{session}.jsonl"], **options)

@@ -42,7 +42,7 @@ def test_streamed_and_not_record_the_same_tokens_as_the_chat_template_renders(pr
     (p1, a1, l1), (p2, a2, l2) = tokens_of(plain), tokens_of(stream)
     assert p1 == p2 == tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, return_dict=False)
     assert a1 == a2 and len(l1) == len(a1) and max(abs(x - y) for x, y in zip(l1, l2, strict=True)) < 1e-4
-    df, stats = rebuild(proxy.captures, "chat-plain", tmp_path)
+    df, stats = rebuild(proxy.captures, "chat-plain", tmp_path, calls=2)
     # Two identical prompts: siblings, each its own trace, trainable tokens exactly the sampled ids.
     assert df.height == 2 and stats.breaks["sibling"] == 1
     for row in df.iter_rows(named=True):
@@ -58,7 +58,7 @@ def test_a_multi_turn_session_merges_into_one_trace(proxy, tmp_path):
         messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": follow_up}]
     ask(client, messages, stream=False, max_tokens=16)
     records = read_records(proxy.captures, session="chat-turns", expect=3)
-    df, stats = rebuild(proxy.captures, "chat-turns", tmp_path)
+    df, stats = rebuild(proxy.captures, "chat-turns", tmp_path, calls=3)
     # A turn cut by max_tokens re-renders the same (the template adds <|im_end|>): exact edges, one trace.
     assert df.height == 1 and df["n_calls"][0] == 3 and stats.breaks == dict.fromkeys(stats.breaks, 0)
     row = df.row(0, named=True)
@@ -84,7 +84,7 @@ def test_tool_use_over_turns_with_a_forced_call_drops_its_log_probs(proxy, tmp_p
     ask(client, messages, stream=True, tools=TOOLS, max_tokens=24)  # auto: free decoding again
     forced, free = read_records(proxy.captures, session="chat-tools", expect=2)
     assert forced["constrained"] == ["tool_choice"] and free["constrained"] == []
-    df, stats = rebuild(proxy.captures, "chat-tools", tmp_path)
+    df, stats = rebuild(proxy.captures, "chat-tools", tmp_path, calls=2)
     assert stats.notes.get(CONSTRAINED) == 1
     first_trace = df.filter(df["exchange_ids"].list.first() == forced["id"]).row(0, named=True)
     assert first_trace["logprobs"] is None  # the trainer recomputes them
@@ -105,7 +105,7 @@ def test_structured_output_is_marked_constrained(proxy, tmp_path):
     assert answer.choices[0].message.content.lstrip().startswith("{")
     (record,) = read_records(proxy.captures, session="chat-schema", expect=1)
     assert record["constrained"] == ["response_format"]
-    df, stats = rebuild(proxy.captures, "chat-schema", tmp_path)
+    df, stats = rebuild(proxy.captures, "chat-schema", tmp_path, calls=1)
     assert df["logprobs"][0] is None and stats.notes.get(CONSTRAINED) == 1
 
 
@@ -128,5 +128,5 @@ def test_text_the_tool_parser_swallows_is_a_classified_break(proxy, tmp_path):
     messages += [{"role": "assistant", "content": seen}, {"role": "user", "content": "Thanks."}]
     ask(client, messages, stream=True, tools=TOOLS, max_tokens=8)
     assert sampled
-    _, stats = rebuild(proxy.captures, "chat-swallowed", tmp_path)
+    _, stats = rebuild(proxy.captures, "chat-swallowed", tmp_path, calls=2)
     assert stats.breaks["swallowed_text"] == 1 and stats.breaks["drift"] == 0

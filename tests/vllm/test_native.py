@@ -67,7 +67,7 @@ def test_translated_calls_streamed_and_not_carry_vllms_ids(api, proxy, tmp_path)
     assert [(r["api"], r["translated"], r["streamed"]) for r in records] == [(api, True, False), (api, True, True)]
     (p1, a1, l1), (p2, a2, _) = map(tokens_of, records)
     assert p1 == p2 and a1 == a2 and len(l1) == len(a1)
-    df, _ = rebuild(proxy.captures, session, tmp_path)
+    df, _ = rebuild(proxy.captures, session, tmp_path, calls=2)
     assert df.height == 2 and set(df["token_source"]) == {"captured"} and set(df["api"]) == {api}
     assert df["response_ids"].to_list() == [a1, a1]
 
@@ -95,6 +95,6 @@ def test_responses_passed_through_carry_vllms_own_ids(stream, proxy_factory, tmp
     assert responses_text(passthrough, session, stream=stream)
     (record,) = read_records(passthrough.captures, session=session, expect=1)
     assert record["api"] == "responses" and not record["translated"] and record["path"].endswith("/v1/responses")
-    df, stats = rebuild(passthrough.captures, session, tmp_path)
+    df, stats = rebuild(passthrough.captures, session, tmp_path, calls=1)
     assert df.height == 1 and df["token_source"][0] == "captured" and len(df["response_ids"][0]) > 0
     assert stats.dropped == {}
