@@ -37,8 +37,8 @@ if __package__ in (None, "", "__mitmproxy_script__"):
     # `mitmdump -s addon/polar.py` loads this file as a loose script: make its package importable.
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from addon import apis, chat, constrained, native, proxy_errors, reroute, responses, session, translating
-from addon.record import FORMAT_VERSION, Body, Exchange
+from addon import apis, chat, clamp, constrained, native, proxy_errors, reroute, responses, session, translating
+from addon.record import FORMAT_VERSION, Body, Exchange, merge_fields
 from addon.writer import CaptureWriter
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 UPSTREAMS = ("vllm", "sglang", "plain")
 TRANSLATE = ("auto", "never")
 METADATA_KEY = "polar"
+CAP_KEY = "polar.cap"  # (models URL, model) of a call whose output cap the addon checked
 SALT_FILE = ".session-salt"
 HEALTH_PATH = "/polar/health"  # answered by the addon itself: clients check it before they send model calls
 
@@ -100,6 +101,8 @@ class Polar:
         self.upstream_key = ""
         self.translate = True
         self.native_options = native.Options(model="", upstream="vllm")
+        self.clamp = True
+        self.context_lengths = clamp.ContextLengths()
 
     def load(self, loader: Any) -> None:
         loader.add_option("polar_dir", str, "captures", "Folder for capture files (created 0700, files 0600).")
@@ -124,6 +127,13 @@ class Polar:
         )
         loader.add_option(
             "polar_model", str, "", "Model name translated calls ask the upstream for (empty: the client's own)."
+        )
+        loader.add_option(
+            "polar_clamp_max_tokens",
+            bool,
+            True,
+            "Cut max_tokens / max_completion_tokens beyond the upstream model's context (its /models "
+            "max_model_len) to that context before sending: vLLM refuses a larger cap (addon/clamp.py).",
         )
         loader.add_option("polar_fsync", bool, False, "fsync each batch of records (survives power loss; slower).")
         loader.add_option(
@@ -154,6 +164,7 @@ class Polar:
         if "polar_translate" in updated and opts.polar_translate not in TRANSLATE:
             raise exceptions.OptionsError(f"polar_translate must be auto or never, not {opts.polar_translate!r}")
         self.upstream_key = opts.polar_upstream_key
+        self.clamp = opts.polar_clamp_max_tokens
         self.translate = opts.polar_translate == "auto" and self.upstream != "plain"
         self.native_options = native.Options(model=opts.polar_model, upstream=self.upstream)
         if updated & {"polar_dir", "polar_fsync", "polar_rotate_mb"}:
@@ -330,6 +341,8 @@ class Polar:
             ex.error = {"kind": "request", "message": message}
             return
         self._rewrite(flow, ex, headers, data, to_provider)
+        if self.clamp and not to_provider and self.upstream != "plain":
+            self._clamp(flow, ex)
         if not to_provider:  # a provider's own decoding is not ours to judge; its records are retokenized anyway
             sent = ex.upstream_request if ex.upstream_request is not None else ex.request
             ex.constrained = constrained.constraints(sent.value)
@@ -357,6 +370,31 @@ class Polar:
                 ex.injected = added
                 if not pure_addition:
                     ex.upstream_request = Body.parse(sent)
+
+    def _clamp(self, flow: http.HTTPFlow, ex: Exchange) -> None:
+        """Cut the output cap of a Chat Completions body bound upstream to the model's context (addon/clamp.py)."""
+        translated = flow.metadata.get(translating.TRANSLATION_KEY) is not None
+        if not (translated or (ex.api == "chat" and flow.request.method == "POST")):
+            return
+        sent = ex.upstream_request if ex.upstream_request is not None else ex.request
+        field = clamp.cap_field(sent.value)
+        if field is None:
+            return
+        assert isinstance(sent.value, dict)  # cap_field found a field in it
+        url, model = clamp.models_url(flow.request.url), sent.value.get("model")
+        model = model if isinstance(model, str) else ""
+        flow.metadata[CAP_KEY] = (url, model)  # a refusal that names the context teaches it (response hook)
+        auth = {k: v for k, v in flow.request.headers.items() if k.lower() in ("authorization", "x-api-key")}
+        length = self.context_lengths.length(url, model, auth, verify=not ctx.options.ssl_insecure)
+        asked = sent.value[field]
+        if length is None or asked <= length:
+            return
+        body = sent.full() if sent is ex.upstream_request else merge_fields(ex.request.full(), ex.injected)
+        body = {**body, field: length}
+        data = json.dumps(body, ensure_ascii=False).encode("utf-8")
+        flow.request.content = data
+        ex.upstream_request = Body.parse(data)
+        ex.clamped = {"field": field, "asked": asked, "sent": length}
 
     def _set_upstream_key(self, flow: http.HTTPFlow, where: str | None) -> None:
         if where == "query":
@@ -396,6 +434,9 @@ class Polar:
             ex.response_headers = _recordable_response_headers(flow.response)
         if not ex.streamed:  # buffered by mitmproxy, still content-encoded: encode() undoes that
             ex.chunks, ex.chunk_times = [flow.response.raw_content or b""], [time.time()]
+            if ex.status == 400 and (cap := flow.metadata.get(CAP_KEY)) is not None:
+                url, model = cap
+                self.context_lengths.learn(url, model, flow.response.get_text(strict=False) or "")
             if (translation := flow.metadata.get(translating.TRANSLATION_KEY)) is not None:
                 translating.translate_answer(flow, ex, translation)
         ex.complete = ex.error is None

@@ -47,6 +47,10 @@ field                  meaning
                        ``structured_outputs`` / ``guided_*``; addon/constrained.py): the sampled ids'
                        log-probs are then not the policy's. ``[]`` when none. Added in issue 15 without
                        a version change (an added field); records written before lack it
+``clamped``            null, or ``{"field": "max_tokens" | "max_completion_tokens", "asked": int,
+                       "sent": int}``: the output cap of the body sent upstream was cut to the model's
+                       context (``polar_clamp_max_tokens``, addon/clamp.py); ``upstream_request`` then
+                       holds that body. Added in issue 15 without a version change; older records lack it
 ``upstream_request``   the body sent upstream when it differs from ``request`` in more than the
                        ``injected`` keys (null otherwise: then it is ``request`` with ``injected``
                        merged in, see :func:`upstream_body`)
@@ -266,6 +270,7 @@ class Exchange:
     upstream_request: Body | None = None
     translated: bool = False  # the native request went upstream as Chat Completions
     constrained: list[str] = field(default_factory=list)  # the upstream body's decoding constraints
+    clamped: dict[str, Any] | None = None  # the output cap cut to the model's context (addon/clamp.py)
     status: int | None = None
     streamed: bool = False
     response_headers: dict[str, str] | None = None
@@ -324,6 +329,7 @@ def encode_parts(ex: Exchange, decode_content: Any) -> tuple[bytes, ...]:
         "injected": ex.injected,
         "translated": ex.translated,
         "constrained": ex.constrained,
+        "clamped": ex.clamped,
         "chunks": [[round((t - ex.t_start) * 1000, 3), len(c)] for t, c in zip(ex.chunk_times, ex.chunks, strict=True)],
         "request_raw": ex.request.raw,
         "response_b64": response_b64,

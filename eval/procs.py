@@ -186,11 +186,12 @@ class ReferenceServer(Service):
         seed: int = 0,
         lora: dict[str, Path] | None = None,
         flavor: str = "vllm",
+        max_model_len: int | None = None,
     ) -> None:
         port = free_port()
         cmd = [sys.executable, "-m", "eval", "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--seed", str(seed)] + (["--script", str(script)] if script else [])
-        cmd += ["--flavor", flavor]
+        cmd += ["--flavor", flavor] + (["--max-model-len", str(max_model_len)] if max_model_len else [])
         if lora:
             cmd += ["--lora-modules", *(f"{name}={path}" for name, path in lora.items())]
         super().__init__(cmd, port=port, log=log)

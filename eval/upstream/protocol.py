@@ -48,6 +48,7 @@ class ChatRequest:
     messages: list[dict[str, Any]]  # tool-call arguments already objects, as the template wants them
     tools: list[dict[str, Any]] | None
     max_tokens: int | None
+    max_tokens_field: str  # the name the client used for it (max_completion_tokens or max_tokens): errors say it
     sampling: dict[str, Any]  # eval.upstream.engine.Sampling fields except max_tokens, fixed once the prompt is known
     stream: bool
     include_usage: bool
@@ -106,10 +107,10 @@ def parse_request(body: Any, default_model: str, flavor: str = "vllm") -> ChatRe
         raise BadRequest("only tool_choice 'auto' and 'none' are supported (no guided decoding here)", "tool_choice")
     if get_field(body, "n", int, 1) != 1:
         raise BadRequest("only n=1 is supported", "n")
-    max_tokens = get_field(body, "max_completion_tokens", int)  # OpenAI's newer name wins, as in vLLM
-    max_tokens = get_field(body, "max_tokens", int) if max_tokens is None else max_tokens
+    max_tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = get_field(body, max_tokens_field, int)  # OpenAI's newer name wins, as in vLLM
     if max_tokens is not None and max_tokens < 1:
-        raise BadRequest("max_tokens must be at least 1", "max_tokens")
+        raise BadRequest(f"{max_tokens_field} must be at least 1", max_tokens_field)
     temperature = get_field(body, "temperature", float, 1.0)
     if not 0 <= temperature <= 2:
         raise BadRequest("temperature must be between 0 and 2", "temperature")
@@ -150,6 +151,7 @@ def parse_request(body: Any, default_model: str, flavor: str = "vllm") -> ChatRe
         messages=_object_arguments(messages),
         tools=tools or None,
         max_tokens=max_tokens,
+        max_tokens_field=max_tokens_field,
         sampling=sampling,
         stream=stream,
         include_usage=get_field(stream_options or {}, "include_usage", bool, False),

@@ -32,7 +32,6 @@ reconstruction take either behaviour, and tests/vllm/ checks each against vLLM i
   no ``prompt_logprobs``, ``kv_transfer_params``, per-choice ``stop_reason``; one token per streamed chunk (vLLM
   may put several in one); its own Responses stream ends ``response.completed`` or ``response.incomplete``,
   vLLM's always ``response.completed`` (status ``incomplete`` when cut).
-- A prompt plus ``max_tokens`` beyond the model's context is not refused; vLLM answers 400 (context length).
 """
 
 from __future__ import annotations
@@ -88,6 +87,9 @@ class Args:
     lora_modules: tuple[str, ...] = ()
     """LoRA adapters to serve, as vLLM's flag: NAME=DIR (a PEFT folder, e.g. train/grpo.py's output); a request
     whose model is NAME uses it. More can be loaded at run time: POST /v1/load_lora_adapter."""
+    max_model_len: int | None = None
+    """The context length, prompt and output together (vLLM's --max-model-len); None: the model's own
+    (max_position_embeddings). Output caps beyond it are refused, as vLLM refuses them."""
     max_batch: int = 32
     """Most requests decoded together (vLLM's --max-num-seqs); more wait for a free row."""
     prefix_cache_tokens: int = 65536
@@ -103,6 +105,10 @@ class Server(ThreadingHTTPServer):
         self.engine = Engine(
             config.model, config.seed, max_batch=config.max_batch, prefix_cache_tokens=config.prefix_cache_tokens
         )
+        if config.max_model_len is not None:
+            if not 0 < config.max_model_len <= self.engine.max_len:
+                raise SystemExit(f"--max-model-len must be between 1 and the model's {self.engine.max_len}")
+            self.engine.max_len = config.max_model_len
         self.script = Script.load(config.script) if config.script else None
         self.model_name = str(config.model)  # vLLM's default served name is its --model argument
         self.default_max_tokens = config.max_tokens
@@ -122,19 +128,32 @@ class Server(ThreadingHTTPServer):
         except jinja2.TemplateError as e:
             raise BadRequest(f"the chat template cannot render these messages: {e}", "messages") from e
         prompt_ids = self.engine.encode(prompt)
-        room = self.engine.max_len - len(prompt_ids)
-        if room < (req.max_tokens or 1):
+        # vLLM 0.32's rules: an output cap beyond the whole context is refused, whatever the prompt; a prompt that
+        # leaves no room for one token is refused; otherwise the cap is cut silently to the room that is left.
+        max_len, field = self.engine.max_len, req.max_tokens_field
+        if req.max_tokens is not None and req.max_tokens > max_len:
             raise BadRequest(
-                f"This model's maximum context length is {self.engine.max_len} tokens. However, you requested "
-                f"{len(prompt_ids) + (req.max_tokens or 1)} tokens ({len(prompt_ids)} in the messages, "
-                f"{req.max_tokens or 1} in the completion).",
-                "messages",
+                f"{field}={req.max_tokens} cannot be greater than max_model_len={max_len}. Please request fewer "
+                f"output tokens. (parameter={field}, value={req.max_tokens})",
+                field,
+            )
+        room = max_len - len(prompt_ids)
+        if room < 1:
+            raise BadRequest(
+                f"This model's maximum context length is {max_len} tokens. However, your prompt contains at least "
+                f"{len(prompt_ids)} input tokens, which exceeds this limit even without any output tokens. Please "
+                f"reduce the length of the input prompt. (parameter=input_tokens, value={len(prompt_ids)})",
+                "input_tokens",
             )
         forced = None if self.script is None else self._scripted_answer(req, prompt, session)
         # A scripted answer is never cut short by the default; a sampled one from a random model would run on.
         default = room if forced is not None else min(self.default_max_tokens, room)
         adapter = req.model if req.model in self.engine.adapters else None
-        return prompt_ids, Sampling(max_tokens=req.max_tokens or default, adapter=adapter, **req.sampling), forced
+        return (
+            prompt_ids,
+            Sampling(max_tokens=min(req.max_tokens or default, room), adapter=adapter, **req.sampling),
+            forced,
+        )
 
     def _scripted_answer(self, req: ChatRequest, prompt: str, session: str) -> list[int]:
         """Token ids of the session's next scripted message: the text the template adds after the generation

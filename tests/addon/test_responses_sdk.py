@@ -147,8 +147,9 @@ def fc_id(record, stream):
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "non-streamed"])
 def test_upstream_context_overflow_is_an_openai_error_that_makes_codex_compact(proxy, stream):
     with client(proxy, f"sess-resp-overflow-{stream}") as c, pytest.raises(openai.APIStatusError) as raised:
-        # More output than the model's context leaves room for: the upstream refuses, as vLLM does.
-        c.responses.create(input=FIRST_INPUT, max_output_tokens=40_000, stream=stream, **REQUEST)
+        # A history longer than the model's context: the upstream refuses, as vLLM does. (An output cap beyond it
+        # the addon cuts to fit, tests/addon/test_clamp.py.)
+        c.responses.create(input="overflow " * 40_000, max_output_tokens=16, stream=stream, **REQUEST)
     assert raised.value.status_code == 400
     assert (
         raised.value.body["code"] == "context_length_exceeded" and raised.value.body["type"] == "invalid_request_error"

@@ -1,14 +1,18 @@
 """Chat Completions through the proxy to real vLLM: token-faithful records, multi-turn sessions, and what vLLM
-does that the reference server did not (issue 15): constrained decoding, text swallowed from a stream."""
+does that the reference server did not (issue 15): constrained decoding, text swallowed from a stream,
+an output cap beyond the context."""
 
 import json
 
+import openai
 import pytest
 from transformers import AutoTokenizer
 
+from addon import clamp
 from reconstruct._extract import CONSTRAINED
 from tests.vllm.conftest import MODEL_DIR
 from tests.vllm.helpers import SERVED_NAME, TOOLS, openai_client, read_records, rebuild, tokens_of
+from tests.vllm.server import MAX_MODEL_LEN
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
@@ -130,3 +134,20 @@ def test_text_the_tool_parser_swallows_is_a_classified_break(proxy, tmp_path):
     assert sampled
     _, stats = rebuild(proxy.captures, "chat-swallowed", tmp_path, calls=2)
     assert stats.breaks["swallowed_text"] == 1 and stats.breaks["drift"] == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_cap_beyond_the_context_is_clamped_not_refused(proxy, proxy_factory, stream):
+    """Qwen Code asks max_tokens 32000 of any model. vLLM refuses a cap beyond the whole context; the addon cuts it
+    to max_model_len (from vLLM's /v1/models) and vLLM cuts it further to the room the prompt leaves."""
+    session = f"chat-clamp-{stream}"
+    answer = ask(openai_client(proxy, session), QUESTION, stream=stream, max_tokens=32000)
+    assert (answer[0] if stream else answer.content).strip()
+    (record,) = read_records(proxy.captures, session=session, expect=1)
+    assert record["status"] == 200 and record["clamped"] == {"field": "max_tokens", "asked": 32000, "sent": 2048}
+    assert record["upstream_request"]["max_tokens"] == MAX_MODEL_LEN == 2048
+    unclamped = proxy_factory(polar_clamp_max_tokens="false")
+    with pytest.raises(openai.BadRequestError) as refused:
+        ask(openai_client(unclamped, session), QUESTION, stream=stream, max_tokens=32000)
+    # The rule and its wording, which addon/clamp.py reads a context length from.
+    assert clamp.REFUSAL.search(refused.value.body["message"]).group(1) == str(MAX_MODEL_LEN)

@@ -259,7 +259,9 @@ def test_unknown_fields_are_ignored(sampler):
         ({"messages": USER, "top_p": 0}, "top_p"),
         ({"messages": USER, "max_tokens": 0}, "max_tokens"),
         ({"messages": USER, "max_tokens": "5"}, "max_tokens"),
-        ({"messages": USER, "max_tokens": 10**6}, "messages"),
+        ({"messages": USER, "max_tokens": 10**6}, "max_tokens"),  # beyond the whole context, as vLLM refuses
+        ({"messages": USER, "max_completion_tokens": 10**6}, "max_completion_tokens"),
+        ({"messages": [{"role": "user", "content": "overflow " * 40_000}]}, "input_tokens"),
         ({"messages": USER, "top_logprobs": 2}, "top_logprobs"),
         ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"messages": USER, "stream_options": {"include_usage": True}}, "stream_options"),
