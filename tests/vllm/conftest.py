@@ -4,7 +4,7 @@ Run by ``make test-vllm``, which builds ``.venv-vllm`` and ``models/smollm2`` an
 its Python; without that variable this folder is not collected, so ``make test`` never starts vLLM. With it, a
 vLLM that cannot start fails the tier (the fixture raises), it is never skipped. One vLLM server serves the whole
 tier (about 90 s to start, 5 GB); each test module puts its own mitmdump in front, recording into its own folder.
-In the edit loop, ``POLAR_VLLM_URL`` points the tier at a vLLM already running (flags as in tests/vllm/server.py).
+In the edit loop, ``POLAR_VLLM_URL`` points the tier at a vLLM already running (flags as in eval/upstream/vllm.py).
 """
 
 import os
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from eval.procs import ROOT, Mitmdump
-from tests.vllm.server import SERVED_NAME, VllmServer
+from eval.upstream.vllm import SERVED_NAME, VllmServer
 
 VLLM_PYTHON = os.environ.get("POLAR_VLLM_PYTHON")
 if not VLLM_PYTHON:

@@ -9,9 +9,9 @@ from typing import Any
 import openai
 import polars as pl
 
+from eval.upstream.vllm import SERVED_NAME
 from reconstruct import Stats, reconstruct
 from tests.captures import read_records, tokens_of
-from tests.vllm.server import SERVED_NAME
 
 __all__ = ["SERVED_NAME", "TOOLS", "openai_client", "read_records", "rebuild", "tokens_of"]
 

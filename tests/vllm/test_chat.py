@@ -9,10 +9,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from addon import clamp
+from eval.upstream.vllm import MAX_MODEL_LEN
 from reconstruct._extract import CONSTRAINED
 from tests.vllm.conftest import MODEL_DIR
 from tests.vllm.helpers import SERVED_NAME, TOOLS, openai_client, read_records, rebuild, tokens_of
-from tests.vllm.server import MAX_MODEL_LEN
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 

