@@ -46,7 +46,8 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "
 # Context-length errors of vLLM (old and new wording, engine) and SGLang: limit, prompt and completion sizes.
 _LIMIT = re.compile(r"maximum (?:context|model) length (?:is |of )?(\d+)|context length \((\d+) tokens\)")
 _PROMPT = re.compile(
-    r"(\d+) in the messages|has (\d+) input tokens|[Pp]rompt \(length (\d+)\)|[Pp]rompt length of (\d+)"
+    r"(\d+) in the messages|has (\d+) input tokens|contains at least (\d+) input tokens|[Pp]rompt \(length (\d+)\)"
+    r"|[Pp]rompt length of (\d+)"
     r"|(\d+) tokens from the input|input \((\d+) tokens\)"
 )
 _COMPLETION = re.compile(r"(\d+) in the completion|is too large: (\d+)|(\d+) tokens for the completion")

@@ -32,7 +32,7 @@ def read_records(directory, *, session=None, expect=None, timeout=10.0):
         records = [
             record
             for path in sorted(directory.glob("*.jsonl"))
-            for line in path.read_bytes().split(b"\n")
+            for line in path.read_bytes().split(b"\n")[:-1]  # after the last newline: a record still being written
             if line and (record := json.loads(line)) and session in (None, record["session_id"])
         ]
         if expect is None or len(records) >= expect or time.time() > deadline:

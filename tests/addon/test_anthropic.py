@@ -648,7 +648,15 @@ def test_error_types(status, kind):
             ),
             "prompt is too long: 40000 tokens > 32768 maximum",
         ),
-        (  # vLLM (older wording; also eval/upstream/server.py), the prompt fits but not with max_tokens
+        (  # vLLM 0.32 (also eval/upstream/server.py), prompt alone too long
+            (
+                "This model's maximum context length is 2048 tokens. However, your prompt contains at least 2049 "
+                "input tokens, which exceeds this limit even without any output tokens. Please reduce the length of "
+                "the input prompt. (parameter=input_tokens, value=2049)"
+            ),
+            "prompt is too long: 2049 tokens > 2048 maximum",
+        ),
+        (  # vLLM (older wording), the prompt fits but not with max_tokens
             (
                 "This model's maximum context length is 32768 tokens. However, you requested 42000 tokens "
                 "(10000 in the messages, 32000 in the completion)."

@@ -136,9 +136,11 @@ def test_records_chain_token_by_token_with_the_reasoning_sent_back(stream, both,
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "non-streamed"])
 def test_upstream_error_is_an_api_error_in_googles_shape(stream, proxy):
     c = client(proxy, f"sess-google-error-{stream}")
-    config = CONFIG.model_copy(update={"max_output_tokens": 10**7})  # more than the model's context: upstream 400
+    # A history longer than the model's context: the upstream refuses it (an output cap beyond the context the
+    # addon cuts to fit instead, tests/addon/test_clamp.py).
+    history = [types.Content(role="user", parts=[types.Part(text="hello " * 40_000)])]
     with pytest.raises(errors.APIError) as raised:
-        generate(c, FIRST_TURN, stream=stream, config=config)
+        generate(c, history, stream=stream, config=CONFIG)
     assert raised.value.code == 400 and raised.value.status == "INVALID_ARGUMENT"
     assert raised.value.message.startswith("The input token count exceeds the maximum number of tokens allowed.")
     (record,) = read_records(proxy.captures, session=f"sess-google-error-{stream}", expect=1)
