@@ -122,23 +122,41 @@ def free_port() -> int:
 
 
 class Service:
-    """A subprocess listening on ``self.port``; ready once the port accepts connections."""
+    """A subprocess listening on ``self.port``; ready once the port accepts connections (``_wait_until_ready``)."""
 
-    def __init__(self, cmd: list[str], *, port: int, log: Path, startup_timeout: float = 120.0) -> None:
+    def __init__(
+        self,
+        cmd: list[str],
+        *,
+        port: int,
+        log: Path,
+        startup_timeout: float = 120.0,
+        env: dict[str, str] | None = None,
+        own_group: bool = False,
+    ) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log = log
         self._log_file = open(log, "ab")  # noqa: SIM115 - the process writes it until close()
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT
+            cmd,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=ROOT,
+            env=env,
+            start_new_session=own_group,
         )
         try:
-            self._wait_until_listening(startup_timeout)
+            self._wait_until_ready(startup_timeout)
         except Exception as e:
             self.stop()
-            raise RuntimeError(f"{cmd[0]} did not start ({e}); its output:\n{self.output()}") from e
+            # The end of the output: vLLM's start-up log runs to thousands of lines.
+            raise RuntimeError(
+                f"{type(self).__name__} did not start ({e}); its output ends:\n{self.output()[-6000:]}"
+            ) from e
 
-    def _wait_until_listening(self, timeout: float) -> None:
+    def _wait_until_ready(self, timeout: float) -> None:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:

@@ -21,14 +21,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from eval.procs import ROOT, free_port
+from eval.procs import Service, free_port
 
 SERVED_NAME = "smollm2"
 # vLLM's context: small, so a harness's oversize max_tokens meets the context-length refusal (addon/clamp.py).
 MAX_MODEL_LEN = 2048
 
 
-class VllmServer:
+class VllmServer(Service):
     """``python -m vllm.entrypoints.openai.api_server`` with tool calls (hermes) and runtime LoRA loading."""
 
     def __init__(
@@ -41,9 +41,7 @@ class VllmServer:
         seed: int = 0,
         startup_timeout: float = 900.0,
     ) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
+        port = free_port()
         env = {
             **os.environ,
             "VLLM_TARGET_DEVICE": "cpu",
@@ -55,24 +53,11 @@ class VllmServer:
             "HF_HUB_OFFLINE": "1",
         }
         cmd = ["nice", "-n", "10", str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
-        cmd += ["--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd += ["--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--seed", str(seed)]
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-lora", "--max-lora-rank", "16"]
-        self._log_file = open(log, "ab")  # noqa: SIM115 - the process writes it until stop()
-        self.proc = subprocess.Popen(
-            cmd,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=ROOT,
-            env=env,
-            start_new_session=True,  # its own process group: the engine core goes with it
-        )
-        try:
-            self._wait_until_ready(startup_timeout)
-        except Exception as e:
-            self.stop()
-            raise RuntimeError(f"vLLM did not start ({e}); the end of its output:\n{self.output()[-6000:]}") from e
+        # Its own process group: the API server and its engine core stop together.
+        super().__init__(cmd, port=port, log=log, startup_timeout=startup_timeout, env=env, own_group=True)
 
     def _wait_until_ready(self, timeout: float) -> None:
         deadline = time.time() + timeout
@@ -89,9 +74,6 @@ class VllmServer:
             time.sleep(1.0)
         raise TimeoutError(f"/v1/models did not answer within {timeout:.0f} s")
 
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
     def stop(self) -> None:
         if self.proc.poll() is None:
             for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
@@ -107,9 +89,3 @@ class VllmServer:
         with contextlib.suppress(ProcessLookupError):  # the engine core may outlive the API server by a moment
             os.killpg(self.proc.pid, signal.SIGKILL)
         self._log_file.close()
-
-    def __enter__(self) -> VllmServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
