@@ -1,18 +1,50 @@
-"""Shared fixtures: the tiny offline model, built once per test run, and reference servers on it."""
+"""Shared fixtures: the tiny offline model and the other expensive artefacts, each built once per test run whichever
+worker asks first (``run_once``), and reference servers on the tiny model."""
 
 import json
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from eval.procs import ReferenceServer
 from eval.upstream.models import build_tiny
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("models") / "tiny")
+def run_once(
+    tmp_path_factory: pytest.TempPathFactory, worker_id: str
+) -> Callable[[str, Callable[[Path], object]], Path]:
+    """Factory: ``run_once(name, build)`` calls ``build(folder)`` once per test run and returns ``folder``.
+
+    ``make test`` runs two xdist workers, each with its own session fixtures, and a file's tests stay in one worker:
+    an artefact that tests in several files read (the tiny model, the demo's run folder, the reconstruction
+    captures) would be built twice. The folder lies in the directory the workers share; the first worker to ask
+    builds it under a file lock while the other waits, and a ``<name>.done`` marker beside it makes it reusable. A
+    build that raised leaves no marker, so the next test to ask builds it again (and fails with its own error)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base if worker_id == "master" else base.parent
+
+    def get(name: str, build: Callable[[Path], object]) -> Path:
+        folder = shared / "run-once" / name
+        folder.parent.mkdir(exist_ok=True)
+        done = folder.parent / f"{name}.done"
+        with FileLock(folder.parent / f"{name}.lock"):
+            if not done.exists():
+                shutil.rmtree(folder, ignore_errors=True)  # what a failed build left
+                folder.mkdir()
+                build(folder)
+                done.touch()
+        return folder
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(run_once) -> Path:
+    return run_once("tiny", build_tiny)
 
 
 @pytest.fixture(scope="session")

@@ -13,8 +13,8 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 
 @pytest.fixture(scope="session")
-def demo_run(tmp_path_factory, tiny_model_dir) -> Path:
-    return fast_demo_run(tmp_path_factory, tiny_model_dir)
+def demo_run(run_once, tiny_model_dir) -> Path:
+    return fast_demo_run(run_once, tiny_model_dir)
 
 
 def test_notebooks_are_committed_without_outputs():

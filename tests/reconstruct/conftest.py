@@ -213,8 +213,9 @@ class Captures:
 
 
 @pytest.fixture(scope="session")
-def captures(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Captures:
-    return generate(tiny_model_dir, tmp_path_factory.mktemp("reconstruct-captures"))
+def captures(tiny_model_dir: Path, run_once) -> Captures:
+    folder = run_once("reconstruct-captures", lambda tmp: generate(tiny_model_dir, tmp))
+    return Captures(folder / "vllm", folder / "plain", tiny_model_dir)
 
 
 def generate(tiny_model_dir: Path, tmp: Path) -> Captures:

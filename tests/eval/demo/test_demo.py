@@ -82,22 +82,20 @@ def demo_command(model: Path, tmp: Path) -> list[str]:
     ]
 
 
-def fast_demo_run(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Path:
-    """The run folder of one fast demo, made once per test session (tests/test_notebooks.py reads it too)."""
-    base = tmp_path_factory.getbasetemp() / "fast-demo"
-    finished = sorted(base.glob("runs/*/summary.json"))
-    if finished:
-        return finished[0].parent
-    base.mkdir(exist_ok=True)
-    done = subprocess.run(demo_command(model, base), check=False, cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    (base / "stdout.txt").write_text(done.stdout)
-    return next(base.glob("runs/*/summary.json")).parent
+def fast_demo_run(run_once, model: Path) -> Path:
+    """The run folder of one fast demo, made once per test run (tests/test_notebooks.py reads it too)."""
+
+    def run(base: Path) -> None:
+        done = subprocess.run(demo_command(model, base), check=False, cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+        (base / "stdout.txt").write_text(done.stdout)
+
+    return next(run_once("fast-demo", run).glob("runs/*/summary.json")).parent
 
 
 @pytest.fixture(scope="session")
-def demo_run(tmp_path_factory, tiny_model_dir) -> Path:
-    return fast_demo_run(tmp_path_factory, tiny_model_dir)
+def demo_run(run_once, tiny_model_dir) -> Path:
+    return fast_demo_run(run_once, tiny_model_dir)
 
 
 def records(folder: Path) -> list[dict]:
@@ -203,6 +201,13 @@ def descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
+def command_line(process: psutil.Process) -> str:
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:  # it ended since it was listed
+        return ""
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(DEMO_TIMEOUT)
 def test_ctrl_c_stops_every_phase_and_service(tiny_model_dir, tmp_path):
@@ -215,12 +220,19 @@ def test_ctrl_c_stops_every_phase_and_service(tiny_model_dir, tmp_path):
         text=True,
         start_new_session=True,
     )
-    deadline = time.monotonic() + DEMO_TIMEOUT / 2  # the teacher and SFT phases come first
-    while not list(tmp_path.glob("runs/*/captures/base/*.jsonl")) and time.monotonic() < deadline:
+    # Interrupted in its first rollout (the teacher's): a server, a proxy and the rollout's processes are running
+    # then, as in every later rollout, and waiting for a later one would only add the SFT phase's minute.
+    deadline = time.monotonic() + DEMO_TIMEOUT / 2
+    running: list[psutil.Process] = []
+    while time.monotonic() < deadline:
         assert demo.poll() is None, demo.stdout.read()
+        running = descendants(demo.pid)
+        commands = [command_line(p) for p in running]
+        if all(any(name in c for c in commands) for name in ("eval rollout", "eval serve", "mitmdump")):
+            break
         time.sleep(0.2)
-    running = descendants(demo.pid)
-    assert any("eval serve" in " ".join(p.cmdline()) for p in running)  # the rollout is under way
+    commands = [command_line(p) for p in running]
+    assert any("eval rollout" in c for c in commands), commands  # the rollout is under way
     os.killpg(demo.pid, signal.SIGINT)
     out, _ = demo.communicate(timeout=60)
     assert demo.returncode == 130, out[-3000:]
