@@ -62,7 +62,7 @@ class Config:
     """LiteLLM side-by-side benchmark."""
 
     quick: bool = False
-    """Short run (about 1 min once the venv exists): fewer rounds and requests, noisier numbers."""
+    """Short run (under a minute on a quiet box once the venv exists): fewer rounds and requests, noisier numbers."""
     out: Path = Path("tests/bench/results/litellm.md")
     """Markdown results file (relative to the repository root); the JSON goes next to it as .json."""
     body_kb: int = 100
@@ -85,9 +85,11 @@ class Plan:
 
 
 def make_plan(cfg: Config) -> Plan:
-    if cfg.quick:
-        return Plan(rounds=4, seq=15, streams=3, conc=2 * cfg.concurrency, limit_s=600)
-    return Plan(rounds=8, seq=40, streams=6, conc=6 * cfg.concurrency, limit_s=900)
+    # LiteLLM sets the pace: ~50 ms of CPU per 100 KB request and ~0.5 s per 200-chunk stream.
+    if cfg.quick:  # about 45 s on a quiet 2-core box, LiteLLM's startup included
+        return Plan(rounds=4, seq=10, streams=2, conc=2 * cfg.concurrency, limit_s=600)
+    # about 2.5 min on a quiet 2-core box; 8 on one loaded 5x
+    return Plan(rounds=8, seq=30, streams=5, conc=5 * cfg.concurrency, limit_s=1200)
 
 
 @dataclasses.dataclass
@@ -152,8 +154,9 @@ def tree_cpu_seconds(pid: int) -> float:
     while todo:
         p = todo.pop()
         total += cpu_seconds(p) or 0.0
-        with contextlib.suppress(OSError):  # it exited meanwhile
-            todo += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        for task in Path(f"/proc/{p}/task").glob("*"):  # each thread lists the children it forked
+            with contextlib.suppress(OSError):  # it exited meanwhile
+                todo += [int(c) for c in (task / "children").read_text().split()]
     return total
 
 
@@ -302,6 +305,7 @@ def measure(targets: list[Target], cfg: Config, plan: Plan, console: Console) ->
             run_sequential(t, body, 10, record=False)
             run_streams(t, sbody, 2, record=False)
             run_concurrent(t, body, cfg.concurrency, record=False)  # opens the pool's connections
+            settled_cpu(t)  # so that no warm-up work is left for the first measured workload
             prog.advance(task)
         for r in range(plan.rounds):
             order = targets[r % len(targets) :] + targets[: r % len(targets)]
@@ -309,7 +313,8 @@ def measure(targets: list[Target], cfg: Config, plan: Plan, console: Console) ->
                 for t in order:
                     prog.update(task, description=f"round {r + 1}/{plan.rounds} {wname:<10} {t.name}")
                     gc.collect()
-                    cpu0, n0 = settled_cpu(t), t.requests
+                    # Settled after the previous workload, idle since: no need to wait here.
+                    cpu0, n0 = t.cpu(), t.requests
                     run(t)
                     if cpu0 is not None and (cpu1 := settled_cpu(t)) is not None:
                         t.cpu_s[wname] = t.cpu_s.get(wname, 0.0) + cpu1 - cpu0

@@ -27,21 +27,21 @@ class JsonlLogger(CustomLogger):  # type: ignore[misc]
         super().__init__()
         self.file = open(os.environ["POLAR_BENCH_LITELLM_LOG"], "a", encoding="utf-8")  # noqa: SIM115 (lives as long as the proxy)
 
-    def _write(self, kwargs: dict[str, Any], status: str) -> None:
+    def _write(self, kwargs: dict[str, Any]) -> None:
         # Serialised as LiteLLM's S3 and generic-API loggers do (safe_dumps): pydantic models as JSON.
-        payload = safe_json_structure(kwargs.get("standard_logging_object"))
-        self.file.write(json.dumps({"status": status, "payload": payload}, default=str) + "\n")
+        payload = safe_json_structure(kwargs.get("standard_logging_object"))  # says success or failure itself
+        self.file.write(json.dumps(payload, default=str) + "\n")
         self.file.flush()
 
     async def async_log_success_event(
         self, kwargs: dict[str, Any], response_obj: Any, start_time: Any, end_time: Any
     ) -> None:
-        self._write(kwargs, "success")
+        self._write(kwargs)
 
     async def async_log_failure_event(
         self, kwargs: dict[str, Any], response_obj: Any, start_time: Any, end_time: Any
     ) -> None:
-        self._write(kwargs, "failure")
+        self._write(kwargs)
 
 
 handler = JsonlLogger()
