@@ -393,8 +393,11 @@ def main(cfg: Config) -> int:
                 t.close_clients()
                 stop(t.proc)  # before reading the records: the addon may flush in done()
         sent = {name: by_name[name].requests for name in ("addon", "litellm")}
-        upstream = {kind: report.token_counts(raw.decode()) for kind, raw in by_name["direct"].answers.items()}
-        logs = report.Logs.read(polar_dir, litellm_log, sent=sent, upstream=upstream)
+        answers = {
+            key: {kind: report.token_counts(raw.decode()) for kind, raw in by_name[name].answers.items()}
+            for key, name in (("upstream", "direct"), ("litellm_answer", "litellm"))
+        }
+        logs = report.Logs.read(polar_dir, litellm_log, sent=sent, answers=answers)
         problems = {t.name: report.log_problems(t.log) for t in targets}
 
     stats = {

@@ -133,6 +133,15 @@ def count_lines(path: Path) -> int:
         return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
 
 
+# The columns of the keeps table: where the token data was counted.
+_KEEPS = {
+    "upstream": "upstream sent",
+    "addon": "addon record",
+    "litellm_answer": "LiteLLM's answer to the client",
+    "litellm": "LiteLLM log",
+}
+
+
 @dataclasses.dataclass
 class _Scan:
     records: int = 0
@@ -168,15 +177,22 @@ class Logs:
 
     @classmethod
     def read(
-        cls, polar_dir: Path, litellm_log: Path, *, sent: dict[str, int], upstream: dict[str, tuple[int, int, int]]
+        cls,
+        polar_dir: Path,
+        litellm_log: Path,
+        *,
+        sent: dict[str, int],
+        answers: dict[str, dict[str, tuple[int, int, int]]],
     ) -> Logs:
+        """``answers``: token counts of what the upstream sent (``upstream``) and what LiteLLM passed on
+        to its client (``litellm_answer``), for the columns beside the logs."""
         addon = _scan(sorted(polar_dir.rglob("*.jsonl")), lambda r: bool(r.get("streamed")), lambda r: r)
         litellm = _scan([litellm_log] if litellm_log.exists() else [], lambda r: bool(r.get("stream")), lambda r: r)
         return cls(
             sent=sent,
             records={"addon": addon.records, "litellm": litellm.records},
             bytes={"addon": addon.bytes, "litellm": litellm.bytes},
-            keeps={"upstream": upstream, "addon": addon.keeps, "litellm": litellm.keeps},
+            keeps=answers | {"addon": addon.keeps, "litellm": litellm.keeps},
         )
 
     def invalid(self) -> list[str]:
@@ -197,10 +213,10 @@ class Logs:
 
     def rows(self) -> list[list[str]]:
         return [
-            ["non-streamed answer"] + [self._keeps(w, "non-streamed") for w in ("upstream", "addon", "litellm")],
+            ["non-streamed answer"] + [self._keeps(w, "non-streamed") for w in _KEEPS],
             [f"streamed answer ({self.keeps['upstream'].get('streamed', (0, 0, 0))[1]} chunks)"]
-            + [self._keeps(w, "streamed") for w in ("upstream", "addon", "litellm")],
-            ["records", "-", self._size("addon"), self._size("litellm")],
+            + [self._keeps(w, "streamed") for w in _KEEPS],
+            ["records", "-", self._size("addon"), "-", self._size("litellm")],
         ]
 
     def keeps_row(self) -> dict[str, object]:
@@ -224,7 +240,7 @@ class Logs:
 
     def table(self) -> Table:
         t = Table(title="What each log keeps (first non-streamed and first streamed record)")
-        for i, h in enumerate(["", "upstream sent", "addon record", "LiteLLM log"]):
+        for i, h in enumerate(["", *_KEEPS.values()]):
             t.add_column(h, justify="left" if i == 0 else "right")
         for row in self.rows():
             t.add_row(*row)
@@ -314,7 +330,7 @@ def markdown(
 
     lines = [*table(_HEAD, _metric_rows(stats, concurrency)), ""]
     lines += ["What each log keeps (first non-streamed and first streamed record):", ""]
-    lines += [*table(["", "upstream sent", "addon record", "LiteLLM log"], logs.rows()), ""]
+    lines += [*table(["", *_KEEPS.values()], logs.rows()), ""]
     lines += table(_THEAD, [[str(r["name"]), str(r["measured"]), str(r["target"]), str(r["result"])] for r in rows])
     lines += [""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
