@@ -88,7 +88,7 @@ def make_plan(cfg: Config) -> Plan:
     # LiteLLM sets the pace: ~50 ms of CPU per 100 KB request and ~0.5 s per 200-chunk stream.
     if cfg.quick:  # about 45 s on a quiet 2-core box, LiteLLM's startup included
         return Plan(rounds=4, seq=10, streams=2, conc=2 * cfg.concurrency, limit_s=600)
-    # about 2.5 min on a quiet 2-core box; 8 on one loaded 5x
+    # about 2.5 min on a quiet 2-core box (5 min on one loaded four times over)
     return Plan(rounds=8, seq=30, streams=5, conc=5 * cfg.concurrency, limit_s=1200)
 
 
@@ -325,12 +325,15 @@ def measure(targets: list[Target], cfg: Config, plan: Plan, console: Console) ->
 # ---------------------------------------------------------------- main
 
 
-def start_paths(plan: Plan, tmp: Path, polar_dir: Path, litellm_log: Path, console: Console) -> list[Target]:
-    """direct, bare mitmdump, mitmdump + addon and LiteLLM, each once it answers."""
+def start_paths(
+    plan: Plan, tmp: Path, polar_dir: Path, litellm_log: Path, targets: list[Target], console: Console
+) -> None:
+    """Append direct, bare mitmdump, mitmdump + addon and LiteLLM to ``targets``, each once it answers
+    (appended one by one, so that the caller stops those that started when a later one fails)."""
     up_proc, up_port = start_upstream(plan.limit_s)
     # The addon takes the API key as the session id (addon/session.py).
     plain = {"content-type": "application/json", "authorization": "Bearer bench-session"}
-    targets = [Target("direct", f"http://127.0.0.1:{up_port}", plain, proc=up_proc)]
+    targets.append(Target("direct", f"http://127.0.0.1:{up_port}", plain, proc=up_proc))
     addon_args = [
         "-s",
         str(ROOT / "addon" / "polar.py"),
@@ -343,12 +346,11 @@ def start_paths(plan: Plan, tmp: Path, polar_dir: Path, litellm_log: Path, conso
         log = tmp / f"{name}.log"
         proc, port, _ = start_mitmdump(up_port, log, tmp / f"conf-{name}", plan.limit_s, extra)
         targets.append(Target(name, f"http://127.0.0.1:{port}", plain, proc=proc, log=log))
-    console.print("starting the LiteLLM proxy (10-30 s) ...")
+    console.print("starting the LiteLLM proxy (10-30 s; the first run installs .venv-litellm first, a few minutes) ...")
     litellm = ensure_venv(tmp / "litellm-install.log")
     server = start_litellm(litellm, up_port, tmp, litellm_log, plan.limit_s)
     keyed = plain | {"authorization": f"Bearer {server.key}"}
     targets.append(Target("litellm", f"http://127.0.0.1:{server.port}", keyed, proc=server.proc, log=server.log))
-    return targets
 
 
 def wait_for_records(path: Path, want: int, timeout_s: float = 15.0) -> None:
@@ -366,8 +368,6 @@ def main(cfg: Config) -> int:
     plan = make_plan(cfg)
     console = Console() if sys.stdout.isatty() else Console(width=130)  # no wrapped tables in logs
     signal.signal(signal.SIGTERM, _on_sigterm)
-    if not (ROOT / ".venv-litellm").exists():
-        console.print("creating .venv-litellm (pip install, a few minutes, once) ...")
     t_start = time.monotonic()
     targets: list[Target] = []
     invalid: list[str] = []
@@ -376,7 +376,7 @@ def main(cfg: Config) -> int:
         polar_dir, litellm_log = tmp / "captures", tmp / "litellm-records.jsonl"
         polar_dir.mkdir()
         try:
-            targets = start_paths(plan, tmp, polar_dir, litellm_log, console)
+            start_paths(plan, tmp, polar_dir, litellm_log, targets, console)
             t_measure = time.monotonic()
             for t in targets:
                 t.open_clients(cfg.concurrency)

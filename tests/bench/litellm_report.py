@@ -393,7 +393,9 @@ def notes(
         (
             "Both recorders see the same upstream answers: the fake upstream sends prompt token ids, sampled token ids "
             "and log-probs on every answer, whatever the request asks (the addon also asks for them; LiteLLM is not "
-            "asked to). The keeps row counts them in the first non-streamed and first streamed record of each log, "
-            "wherever they sit in it (inside text fields too)."
+            "asked to). The keeps table counts them in the first non-streamed and first streamed record of each log, "
+            "wherever they sit in it (inside text fields too), and in what LiteLLM passed on to its client. LiteLLM logs a "
+            "stream as the response its stream_chunk_builder rebuilds from the chunks, which keeps the text, tool calls "
+            "and usage but neither the ids nor the log-probs, though it forwards both to the client."
         ),
     ]
