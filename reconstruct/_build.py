@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import gc
 import multiprocessing
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -73,6 +74,7 @@ def reconstruct(
     stats.files = len(files)
     options = _Options(retokenizer, mode, on_drift, eot)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_rare_collections())
         pool = None
         if jobs > 1:
             # spawn, not fork: polars' thread pool does not survive a fork. Started before the index pass, so the
@@ -118,6 +120,20 @@ def reconstruct(
     return schema.conform(pl.concat(frames, rechunk=False)), stats
 
 
+@contextlib.contextmanager
+def _rare_collections() -> Iterator[None]:
+    """Run the cyclic garbage collector rarely while building: decoding a session makes containers by the
+    hundred thousand (parsed answers, stream chunks), and at Python's default threshold (700 allocations) the
+    collector keeps walking the session's live ones for nothing: they form no cycles worth collecting early.
+    The threshold is restored afterwards."""
+    threshold = gc.get_threshold()
+    gc.set_threshold(100_000, *threshold[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Options:
     retokenizer: Retokenizer | None
@@ -135,7 +151,7 @@ def _build_batch(
 ) -> tuple[list[pl.DataFrame], Stats]:
     """A worker process's share: the given sessions' traces (their record lines already located)."""
     files, located, sessions, options = work
-    with CaptureIndex.located(files, located) as index:
+    with _rare_collections(), CaptureIndex.located(files, located) as index:
         frames, stats = _build(index, sorted(located), sessions, options, iter(()))
     stats.corrupt_lines = index.counts.corrupt  # lines that failed to parse in full here
     return frames, stats

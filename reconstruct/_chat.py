@@ -32,6 +32,7 @@ from reconstruct._tokens import TokenText, cut_array, find_array
 __all__ = ["ChatAssembler"]
 
 _PROMPT_KEY = "prompt_token_ids"
+_LIFTED = '"prompt_token_ids":null'  # where the array was when _io.parse_record lifted it out of the line
 _NOTHING = {"content": ""}  # the delta of a token whose text a parser holds back: nothing to assemble
 # The stream fast path (ChatAssembler._fast): what it reads, and what sends it to the exact path.
 _IDS = re.compile(r'"token_ids":\s*\[(\s*[0-9][0-9,\s]*)\]')  # never an empty list: joined as is
@@ -125,7 +126,7 @@ class ChatAssembler:
     count says, no error, no SGLang extension); anything else, and the message of a stream (read lazily), goes
     through the exact path: event by event. ``fast=False`` forces the exact path."""
 
-    def __init__(self, *, streamed: bool, fast: bool = True) -> None:
+    def __init__(self, *, streamed: bool, fast: bool = True, prompt: TokenText | None = None) -> None:
         self.streamed = streamed
         self.fast = fast
         self.usage: dict[str, Any] | None = None
@@ -135,7 +136,7 @@ class ChatAssembler:
         self.path = "exact"  # which path read the answer (fast: see above)
         self._parts: list[Any] = []  # the body so far
         self._choices: dict[int, _Choice] = {}
-        self._prompt: TokenText | None = None
+        self._prompt = prompt  # lifted out of the record line before parsing: the body holds null in its place
         self._sglext_output: Any = None
 
     def decode(self, chunk: bytes | str) -> list[Completion]:
@@ -166,11 +167,15 @@ class ChatAssembler:
 
     def _fast(self, text: str) -> list[Completion] | None:
         span = find_array(text, _PROMPT_KEY)
-        if span is None:
+        if span is not None:
+            cut, stop = span
+            prompt = TokenText.from_json(text[cut:stop])
+        elif self._prompt is not None and (at := text.find(_LIFTED)) >= 0:
+            cut, stop, prompt = at + len(_LIFTED) - 4, at + len(_LIFTED), self._prompt
+        else:
             return None
         # The stream is scanned in place around the prompt array (the first chunk's start, then all after the
         # array): no copy of a text this long, and no scan of the prompt.
-        cut, stop = span
         head = text[:cut]
         if any(m in head or text.find(m, stop) >= 0 for m in _ODD) or _OTHER_INDEX.search(head):
             return None
@@ -187,7 +192,6 @@ class ChatAssembler:
         except ValueError:
             return None
         usage = last.get("usage") if isinstance(last, dict) else None
-        prompt = TokenText.from_json(text[cut:stop])
         if not (isinstance(usage, dict) and usage.get("completion_tokens") == len(ids) == len(logprobs) > 0):
             return None
         self.usage, self.model, self.path = usage, last.get("model"), "fast"

@@ -28,7 +28,7 @@ from addon.record import upstream_body
 from reconstruct._calls import Call, Completion, Problem, Request
 from reconstruct._chat import ChatAssembler
 from reconstruct._errors import RetokenizeError
-from reconstruct._io import has_upstream_request
+from reconstruct._io import has_upstream_request, lifted_prompt
 from reconstruct._json import dumps
 from reconstruct._retokenize import Retokenizer
 from reconstruct._tokens import TokenText
@@ -139,7 +139,7 @@ def extract_chat(record: dict[str, Any], retokenizer: Retokenizer | None) -> lis
     if text is None or status != 200:
         reason = (record.get("error") or {}).get("message") if isinstance(record.get("error"), dict) else None
         return [_failed(record, Problem.ERROR, f"status {status}: {reason or (text or '')[:200]}")]
-    asm = ChatAssembler(streamed=not text.lstrip().startswith("{"))
+    asm = ChatAssembler(streamed=not text.lstrip().startswith("{"), prompt=lifted_prompt(record))
     asm.decode(text)
     said = ("content", "reasoning", "tool_calls")
     completions = [c for c in asm.flush() if c.token_ids or any(c.message.get(k) for k in said)]

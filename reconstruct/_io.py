@@ -18,17 +18,20 @@ import polars as pl
 from reconstruct._errors import CaptureError, ConfigError
 from reconstruct._json import dumps, loads, loads_like_upstream
 from reconstruct._lines import HEAD_BYTES, RECORD_START, LineIndexer, LineRef, parse_head
+from reconstruct._tokens import TokenText
 
 __all__ = [
     "CaptureIndex",
     "CaptureRecord",
     "discover",
     "has_upstream_request",
+    "lifted_prompt",
     "parse_record",
     "read_session_tasks",
 ]
 
 BLOCK = 8 << 20
+_SESSION_KEY = b'", "session_id": "'  # in every record head, right after the record id (see _Cuts)
 
 FORMAT_VERSION = 1  # of capture records (addon/record.py)
 
@@ -65,21 +68,41 @@ class _Cuts:
     line holds the end of one session's record and the start of another's. A record starts with ``RECORD_START``
     (the writer's layout); inside a line that can only be a record glued on, since JSON strings escape quotes and
     a request body would need the writer's own head fields in its order to match ``parse_head``.
+
+    The scan looks for ``_SESSION_KEY`` rather than ``RECORD_START``: every head ``parse_head`` accepts holds it
+    within ``HEAD_BYTES`` of its start, and being longer and made of rarer bytes it is searched about three times
+    faster (prompt ids are mostly digits, which a search for ``{"v": `` keeps stopping at). Each hit is then
+    traced back to the last ``RECORD_START`` before it, the only one whose head can reach it.
     """
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
-        self._tail = b""  # the previous block's last bytes: a start may straddle two blocks
+        self._tail = b""  # the previous block's last bytes: a head may straddle two blocks
         self.found: list[int] = []  # file offsets, ascending, of the starts not yet passed
 
-    def scan(self, block: bytes, offset: int) -> None:
-        data, base = self._tail + block, offset - len(self._tail)
-        i = data.find(RECORD_START, 1)  # at 0 it was seen with the previous block, or it starts the file
-        while i > 0:
-            if data[i - 1] != 0x0A and parse_head(os.pread(self._fd, HEAD_BYTES, base + i)) is not None:
-                self.found.append(base + i)
-            i = data.find(RECORD_START, i + 1)
-        self._tail = data[-len(RECORD_START) :]
+    def scan(self, block: bytes | bytearray, offset: int) -> None:
+        # Searched in the block itself (no copy of it): only a key near its start needs the previous block's tail.
+        joint = self._tail + bytes(block[: len(_SESSION_KEY) - 1])
+        straddling = joint.find(_SESSION_KEY, max(0, len(self._tail) - len(_SESSION_KEY) + 1))
+        if straddling >= 0:
+            self._check(joint, offset - len(self._tail), straddling)
+        i = block.find(_SESSION_KEY)
+        while i >= 0:
+            if i > HEAD_BYTES:
+                self._check(block, offset, i)
+            else:
+                self._check(self._tail + bytes(block[: i + 1]), offset - len(self._tail), len(self._tail) + i)
+            i = block.find(_SESSION_KEY, i + 1)
+        self._tail = bytes(block[-(HEAD_BYTES + len(_SESSION_KEY) + 1) :])
+
+    def _check(self, data: bytes | bytearray, base: int, key: int) -> None:
+        """Note the record start that the session key at ``data[key]`` (file offset ``base + key``) belongs to."""
+        start = data.rfind(RECORD_START, max(0, key - HEAD_BYTES), key)
+        # Not the file's first byte nor a line's (those are ordinary lines); the tail keeps the byte before any
+        # start that a key in the next block can lead back to.
+        new = start > 0 and data[start - 1] != 0x0A and (not self.found or self.found[-1] != base + start)
+        if new and parse_head(os.pread(self._fd, HEAD_BYTES, base + start)) is not None:
+            self.found.append(base + start)
 
     def split(self, ref: LineRef) -> list[LineRef]:
         """``ref`` cut at the record starts inside it (itself when there is none)."""
@@ -134,9 +157,11 @@ class CaptureIndex:
         fd = self._fds[number]
         cuts = _Cuts(fd)
         offset = 0
-        while block := os.pread(fd, BLOCK, offset):
+        buffer = bytearray(BLOCK)  # read into, block after block: no fresh 8 MB (and its page faults) per block
+        while size := os.preadv(fd, [buffer], offset):
+            block = buffer if size == BLOCK else buffer[:size]
             cuts.scan(block, offset)  # before the lines: a line ends in this block, so do its cuts
-            offset += len(block)
+            offset += size
             for ref in indexer.decode(block):
                 if ref.length == 0:
                     continue
@@ -203,15 +228,22 @@ _RESPONSE_KEY = b'"response_body": '
 _BODIES = b', "request": '
 _NO_UPSTREAM = b', "upstream_request": null}'
 _BODY_KEYS = frozenset(("request", "upstream_request"))
+# The prompt id array's key inside the response body, as the JSON-escaped string of the line holds it.
+_PROMPT_IN_BODY = b'\\"prompt_token_ids\\":'
+_CHUNKS = b', "chunks": '
+_REQUEST_RAW = b', "request_raw": '
 
 
 class CaptureRecord(dict):  # type: ignore[type-arg]
     """A parsed record line whose request bodies are parsed when first read: they are the larger half of a line
-    and most calls never need them (merging works on the token ids in the response)."""
+    and most calls never need them (merging works on the token ids in the response). ``prompt`` is the answer's
+    prompt id array when it was lifted out of the line before parsing (see ``parse_record``): the response body
+    then says ``"prompt_token_ids":null`` in its place."""
 
-    def __init__(self, head: dict[str, Any], bodies: memoryview) -> None:
+    def __init__(self, head: dict[str, Any], bodies: memoryview, prompt: TokenText | None = None) -> None:
         super().__init__(head)
         self._bodies: memoryview | None = bodies  # '{"request": ..., "upstream_request": ...}'
+        self.prompt = prompt
         self.unreadable_bodies = False  # the bodies were read and did not parse (counted in the stats)
 
     def _load(self) -> None:
@@ -242,27 +274,83 @@ class CaptureRecord(dict):  # type: ignore[type-arg]
 
 
 def parse_record(line: bytearray) -> dict[str, Any] | None:
-    """One record line, its request bodies left for later when the line has the writer's layout; None when the
-    line is not a JSON object. ``line`` is split in place (no copy of a 200 KB line): ``..., "request": ...``
-    becomes ``...}{"request": ...`` and each half is parsed through a view."""
+    """One record line; None when the line is not a JSON object.
+
+    When the line has the writer's layout, only its head is parsed, and not all of it: the request bodies are
+    left for later (``CaptureRecord``); the prompt id array of a Chat Completions answer is lifted out of the
+    line as bytes, most of a line that merging compares as text (``TokenText``) and never needs decoded; the
+    ``chunks`` timings, hundreds of small lists in a streamed record that nothing here reads, become null.
+    ``line`` is changed in place (its bodies become ``{"request": ...``: parsed later through a view)."""
     key = line.find(_RESPONSE_KEY)
-    cut = line.find(_BODIES, key) if key >= 0 else -1  # no unescaped quote inside the response_body string
+    prompt = _prompt_span(line, key) if key >= 0 else None
+    # The first ", "request": " after the response body's key ends the head: inside the JSON string of the
+    # response body every quote is escaped. A prompt array found beyond it is not the answer's.
+    cut = line.find(_BODIES, key, prompt[0]) if prompt is not None else -1
     if cut >= 0:
-        line[cut : cut + 2] = b"}{"
-        view = memoryview(line)
-        try:
-            head = loads(view[: cut + 1])
-        except ValueError:
-            head = None  # not the writer's layout after all (or damaged): the whole line decides
+        prompt = None
+    elif key >= 0:
+        cut = line.find(_BODIES, prompt[1] if prompt is not None else key)
+    if cut >= 0:
+        chunks = _chunks_span(line, key)
+        head = _parse_head(line, cut, [s for s in (chunks, prompt) if s is not None])
+        if prompt is not None and isinstance(head, dict) and head.get("api") != "chat" and not head.get("translated"):
+            prompt, head = None, _parse_head(line, cut, [chunks] if chunks else [])  # a native answer: read whole
         if isinstance(head, dict) and "response_body" in head:
-            return CaptureRecord(head, view[cut + 1 :])
-        view.release()
-        line[cut : cut + 2] = _BODIES[:2]
+            ids = TokenText.lifted(bytes(memoryview(line)[prompt[0] : prompt[1] - 1])) if prompt else None
+            line[cut + 1] = 0x7B  # ', "request": ...' -> ',{"request": ...': the bodies as one JSON object
+            return CaptureRecord(head, memoryview(line)[cut + 1 :], ids)
     try:
         record = loads_like_upstream(line)
     except ValueError:
         return None
     return record if isinstance(record, dict) else None
+
+
+def _prompt_span(line: bytearray, key: int) -> tuple[int, int] | None:
+    """Where the first ``"prompt_token_ids":[...]`` of the response body lies in ``line`` (``line[start:stop]``
+    is the array), when the array is plain digits, commas and spaces in the line's bytes: it then reads the same
+    whether the JSON string holding it is decoded or not. Found and checked with ``find``: memchr speed."""
+    at = line.find(_PROMPT_IN_BODY, key)
+    if at < 0 or line[at - 1] == 0x5C:  # preceded by a backslash: a key inside a string, not the body's own
+        return None
+    start = at + len(_PROMPT_IN_BODY)
+    while line[start : start + 1] == b" ":
+        start += 1
+    if line[start : start + 1] != b"[":
+        return None
+    stop = line.find(b"]", start)
+    if stop < 0 or line.find(b"\\", start, stop) >= 0 or line.find(b'"', start, stop) >= 0:
+        return None  # escaped characters, strings or a record glued in: leave it to the parser
+    return start, stop + 1
+
+
+def _chunks_span(line: bytearray, key: int) -> tuple[int, int] | None:
+    """Where the writer's ``chunks`` array lies: the last ``"chunks"`` key before the response body (headers
+    come earlier), up to the ``request_raw`` key the writer puts next (the array holds only numbers)."""
+    at = line.rfind(_CHUNKS, 0, key)
+    stop = line.find(_REQUEST_RAW, at) if at >= 0 else -1
+    return (at + len(_CHUNKS), stop) if stop >= 0 else None
+
+
+def _parse_head(line: bytearray, cut: int, holes: list[tuple[int, int]]) -> Any:
+    """The record before its request bodies, with ``null`` for each of ``holes`` (spans of ``line``, in
+    order); None when that does not parse."""
+    view = memoryview(line)
+    pieces: list[Any] = []
+    at = 0
+    for start, stop in holes:
+        pieces += (view[at:start], b"null")
+        at = stop
+    pieces += (view[at:cut], b"}")
+    try:
+        return loads(b"".join(pieces))
+    except ValueError:
+        return None  # not the writer's layout after all (or damaged): the whole line decides
+
+
+def lifted_prompt(record: dict[str, Any]) -> TokenText | None:
+    """The prompt id array ``parse_record`` lifted out of the record's response body, if it did."""
+    return record.prompt if isinstance(record, CaptureRecord) else None
 
 
 def has_upstream_request(record: dict[str, Any]) -> bool:

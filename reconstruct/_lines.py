@@ -46,7 +46,7 @@ class LineIndexer:
         self._start = 0  # file offset where the current line began
         self._head = bytearray()
 
-    def decode(self, chunk: bytes) -> list[LineRef]:
+    def decode(self, chunk: bytes | bytearray) -> list[LineRef]:
         out: list[LineRef] = []
         i = 0
         while True:

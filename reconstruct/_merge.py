@@ -127,7 +127,7 @@ def _link(calls: list[Call], eot_id: int | None) -> tuple[list[Edge | None], lis
         edge: Edge | None = None
         identical = other_source = False
         best = -1
-        size = len(c.prompt.text)
+        size = len(c.prompt.body)
         for neg_n, neg_j in by_length:
             n, j = -neg_n, -neg_j
             if n < best:

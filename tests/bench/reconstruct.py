@@ -1,6 +1,6 @@
 """Benchmark `python -m reconstruct` on a synthetic capture set, against merely parsing the same files.
 
-Run:  .venv/bin/python -m tests.bench.reconstruct [--quick] [--out tests/bench/results/reconstruct.md]
+Run:  .venv/bin/python -m tests.bench.reconstruct [--quick | --scale 0.2] [--out tests/bench/results/reconstruct.md]
 
 Writes capture files in the real record format (``addon.record.encode`` on ``Exchange`` objects, as the addon
 does), shaped like vLLM answers: ``--sessions`` sessions of ``--calls`` calls whose prompts grow from
@@ -9,11 +9,14 @@ token, and the prompt ids in the answer), every other session streamed (one SSE 
 log-prob), a compaction every 10th session and a retried call every 7th. Sessions are interleaved in time over
 two "proxy processes" that rotate their files at 256 MB, as the addon does.
 
-Then, each in its own child process (so peak memory is its own): (1) the baseline, reading every file and parsing
-each line with orjson if installed (else json); (2) the reconstruction, ``reconstruct()`` plus writing the
-Parquet, in one process; (3) the same with ``--jobs`` worker processes (one per CPU by default). Prints a table (time, time / baseline with the <= 2x target, tokens/s, peak memory against the largest
-session and the whole capture set) and writes it as Markdown with the raw numbers as JSON next to it. Exit 1 when
-the reconstruction is wrong (trainable tokens != sampled tokens, traces != sessions + breaks).
+Then, each in its own child process (so peak memory is its own), alternated, fastest of ``--repeats`` counted:
+(1) the baseline, reading every file and parsing each line with orjson if installed (else json); (2) the
+reconstruction, ``reconstruct()`` plus writing the Parquet, in one process; (3) the same with ``--jobs`` worker
+processes (one per CPU by default). Prints the targets (``| target | measured | limit | result |``: the
+one-process time against the baseline's, <= 1.0x, PASS or MISS with what would close a miss; --jobs and memory
+as info) and the details (tokens/s, peak memory against the largest session and the whole capture set), and
+writes both as Markdown with the raw numbers as JSON next to it. Exit 1 when the reconstruction is wrong
+(trainable tokens != sampled tokens, traces != sessions + breaks).
 """
 
 from __future__ import annotations
@@ -43,6 +46,15 @@ from addon.record import Body, Exchange, encode
 ROOT = Path(__file__).resolve().parents[2]
 EOT = 2
 ROTATE = 256 << 20  # the addon's default polar_rotate_mb
+TARGET = 1.0  # reconstruction / baseline, one process, wall (issue 17)
+CLOSE_THE_GAP = (
+    "most of what is left is the streamed answers (one SSE chunk per sampled token: their ids and log-probs are "
+    "read by regular-expression scans over the stream text, which cost more than orjson parsing those bytes), "
+    "then the index pass that reads every byte once before the sessions are read again. Closing it needs a "
+    "stream read without a per-byte scan in Python: a compiled SSE scanner, or the addon recording a streamed "
+    "answer's ids and log-probs as arrays next to its text (a capture format change), and one read of the files "
+    "(a memory map shared by the index pass and the sessions)."
+)
 console = Console()
 
 
@@ -52,6 +64,9 @@ class Config:
 
     quick: bool = False
     """Small set (about 20 s): 24 sessions x 20 calls, prompts of 8-12k tokens."""
+    scale: float = 1.0
+    """Share of the full set's sessions, with its prompt lengths and calls (0.2: 40 sessions, about 440 MB): for
+    iterating; the full set (2.2 GB) is the run of record."""
     out: Path = Path("tests/bench/results/reconstruct.md")
     """Markdown results (relative to the repository root); the JSON goes next to it as .json."""
     sessions: int | None = None
@@ -78,7 +93,7 @@ class Config:
 
     def sizes(self) -> tuple[int, int, int]:
         return (
-            self.sessions or (24 if self.quick else 200),
+            self.sessions or (24 if self.quick else max(2, round(200 * self.scale))),
             self.calls or (20 if self.quick else 50),
             self.max_prompt or (12_000 if self.quick else 30_000),
         )
@@ -403,7 +418,7 @@ def child(cfg: Config, phase: str, folder: Path) -> dict[str, Any]:
 
 def report(
     cfg: Config, gen: dict[str, Any], parse: dict[str, Any], rec: dict[str, Any], par: dict[str, Any], gen_s: float
-) -> tuple[Table, str, dict[str, Any]]:
+) -> tuple[list[Table], str, dict[str, Any]]:
     mb = 1 << 20
     ratio = rec["seconds"] / parse["seconds"]
     cpu_ratio = rec["cpu_seconds"] / parse["cpu_seconds"]
@@ -417,10 +432,7 @@ def report(
         ("tokens in the traces (prompt + response)", f"{trace_tokens:,} in {rec['traces']:,} traces"),
         (f"baseline: read + parse every line ({parse['json']}), wall / CPU", f"{parse['seconds']:.2f} / {parse['cpu_seconds']:.2f} s"),
         ("reconstruct, 1 process (index, parse, merge, write Parquet), wall / CPU", f"{rec['seconds']:.2f} / {rec['cpu_seconds']:.2f} s"),
-        ("reconstruct / baseline, 1 process, wall", f"{ratio:.2f}x"),
-        ("reconstruct / baseline, CPU", f"{cpu_ratio:.2f}x"),
         (f"reconstruct --jobs {cfg.jobs}, wall / CPU (all processes)", f"{par['seconds']:.2f} / {par['cpu_seconds']:.2f} s"),
-        (f"reconstruct --jobs {cfg.jobs} / baseline, wall (target <= 2x)", f"{par_ratio:.2f}x {'PASS' if par_ratio <= 2 else 'MISS'}"),
         ("throughput: call tokens / s", f"{calls_tokens / rec['seconds'] / 1e6:,.1f} M"),
         ("throughput: capture MB / s", f"{gen['bytes'] / mb / rec['seconds']:,.0f}"),
         ("peak RSS: reconstruct / baseline parse", f"{rec['rss_peak'] / mb:,.0f} / {parse['rss_peak'] / mb:,.0f} MB"),
@@ -429,15 +441,27 @@ def report(
         ("largest session / whole capture set", f"{gen['largest_session_bytes'] / mb:,.1f} / {gen['bytes'] / mb:,.0f} MB"),
         ("output Parquet", f"{rec['parquet_bytes'] / mb:,.1f} MB"),
     ]  # fmt: skip
-    table = Table(title="Reconstruction benchmark")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
+    targets = [
+        ("reconstruct / baseline, 1 process, wall", f"{ratio:.2f}x", "<= 1.0x", "PASS" if ratio <= TARGET else "MISS"),
+        ("reconstruct / baseline, 1 process, CPU", f"{cpu_ratio:.2f}x", "", "info"),
+        (f"reconstruct --jobs {cfg.jobs} / baseline, wall", f"{par_ratio:.2f}x", "", "info"),
+        ("peak RSS above imports, 1 process / largest session",
+         f"{(rec['rss_peak'] - rec['rss_start']) / mb:,.0f} / {gen['largest_session_bytes'] / mb:,.1f} MB", "", "info"),
+    ]  # fmt: skip
+    table = Table(title="Reconstruction benchmark: targets")
+    for column in ("target", "measured", "limit", "result"):
+        table.add_column(column, justify="left" if column == "target" else "right")
+    for target in targets:
+        table.add_row(*target)
+    details = Table(title="Reconstruction benchmark: details")
+    details.add_column("metric")
+    details.add_column("value", justify="right")
     for name, value in rows:
-        table.add_row(name, value)
+        details.add_row(name, value)
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     notes = [
         (
-            f"{when}, {'quick' if cfg.quick else 'full'} run, {platform.machine()} with {os.cpu_count()} CPUs shared with "
+            f"{when}, {_kind(cfg)} run, {platform.machine()} with {os.cpu_count()} CPUs shared with "
             f"other work; Python {platform.python_version()}; generating the captures took {gen_s:.0f} s (not measured)."
         ),
         (
@@ -455,7 +479,19 @@ def report(
             f"{rec['traces']:,} = expected {gen['expected_traces']:,}; breaks {rec['breaks']}."
         ),
     ]
-    md = ["| metric | value |", "| --- | ---: |", *[f"| {n} | {v} |" for n, v in rows], "", *[f"- {n}" for n in notes]]
+    if ratio > TARGET:
+        notes.append(f"MISS: {CLOSE_THE_GAP}")
+    md = [
+        "| target | measured | limit | result |",
+        "| --- | ---: | ---: | --- |",
+        *[f"| {' | '.join(t)} |" for t in targets],
+        "",
+        "| metric | value |",
+        "| --- | ---: |",
+        *[f"| {n} | {v} |" for n, v in rows],
+        "",
+        *[f"- {n}" for n in notes],
+    ]
     raw = {
         "config": dataclasses.asdict(cfg) | {"out": str(cfg.out), "keep": str(cfg.keep)},
         "generated": gen,
@@ -465,9 +501,14 @@ def report(
         "ratio": ratio,
         "cpu_ratio": cpu_ratio,
         "parallel_ratio": par_ratio,
+        "targets": [dict(zip(("target", "measured", "limit", "result"), t, strict=True)) for t in targets],
         "when": when,
     }
-    return table, "\n".join(md) + "\n", raw
+    return [table, details], "\n".join(md) + "\n", raw
+
+
+def _kind(cfg: Config) -> str:
+    return "quick" if cfg.quick else "full" if cfg.scale == 1 and cfg.sessions is None else f"scale {cfg.scale:g}"
 
 
 def main(cfg: Config) -> int:
@@ -500,8 +541,11 @@ def main(cfg: Config) -> int:
     finally:
         if cfg.keep is None:
             shutil.rmtree(work, ignore_errors=True)
-    table, md, raw = report(cfg, gen, parse, rec, par, gen_s)
-    console.print(table)
+    tables, md, raw = report(cfg, gen, parse, rec, par, gen_s)
+    for table in tables:
+        console.print(table)
+    if raw["ratio"] > TARGET:
+        console.print(f"MISS: {CLOSE_THE_GAP}", markup=False, soft_wrap=True)
     out = cfg.out if cfg.out.is_absolute() else ROOT / cfg.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(md)

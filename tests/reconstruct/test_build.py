@@ -1,6 +1,7 @@
 """reconstruct/_build.py and _io.py: capture folders → the trajectory table, its stats, its file."""
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -21,6 +22,7 @@ from reconstruct import (
     write_trajectories,
 )
 from reconstruct._build import parse_shard
+from reconstruct._io import CaptureRecord, parse_record
 from tests.reconstruct.conftest import EXPECTED_CALLS, S, oracle
 
 
@@ -231,6 +233,39 @@ def test_glued_lines_are_split_into_their_records(captures, reference, tmp_path)
     assert {e for ids in df["exchange_ids"] for e in ids} == set(session_of) - {lost}
     for session, ids in df.select("session_id", "exchange_ids").iter_rows():
         assert {session_of[e] for e in ids} == {session}
+
+
+@pytest.mark.slow
+def test_a_record_glued_inside_the_request_bodies_is_split(captures, reference, tmp_path):
+    """Torn after its head, a record still parses (its answer is kept, its bodies do not parse): the record glued
+    on is found in the bodies, which are otherwise never read."""
+    name, lines = _vllm_lines(captures)
+    sessions = [json.loads(line)["session_id"] for line in lines]
+    i = next(i for i in range(len(lines) - 1) if sessions[i] != sessions[i + 1])
+    torn = lines[i][: lines[i].index(b', "request": ') + 40]
+    (tmp_path / name).write_bytes(b"\n".join([*lines[:i], torn + lines[i + 1], *lines[i + 2 :]]) + b"\n")
+    df, stats = reconstruct([tmp_path])
+    assert (stats.glued_lines, stats.corrupt_lines, stats.calls) == (1, 0, len(lines))
+    session_of = {json.loads(line)["id"]: s for line, s in zip(lines, sessions, strict=True)}
+    assert {e for ids in df["exchange_ids"] for e in ids} == set(session_of)
+    for session, ids in df.select("session_id", "exchange_ids").iter_rows():
+        assert {session_of[e] for e in ids} == {session}
+
+
+@pytest.mark.slow
+def test_the_prompt_array_is_lifted_out_of_the_line_unparsed(captures):
+    """parse_record reads a vLLM record as a plain parse does, except the prompt ids (bytes, never decoded: null
+    in the response body) and the chunk timings (null), and its request bodies only when read."""
+    _, lines = _vllm_lines(captures)
+    for line in lines:
+        plain = json.loads(line)
+        record = parse_record(bytearray(line))
+        prompt, _, _ = oracle(plain)
+        assert isinstance(record, CaptureRecord) and record.prompt is not None and record.prompt.ids() == prompt
+        lifted = re.sub(r'("prompt_token_ids":\s*)\[[^\]]*\]', r"\1null", plain["response_body"], count=1)
+        assert lifted != plain["response_body"] and record["response_body"] == lifted
+        assert record["chunks"] is None and record["request"] == plain["request"]  # bodies parsed only now
+        assert dict(record) == {**plain, "response_body": lifted, "chunks": None}
 
 
 @pytest.mark.slow
