@@ -17,6 +17,7 @@ Standard library only; used on the event loop only, so it takes no lock.
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from collections import OrderedDict
@@ -57,15 +58,17 @@ class ResentBodies:
         if len(data) > LEAN_BYTES or not data:
             return Body.parse(data)
         prev = self._seen.get(session_id)
-        resume = _resume_point(prev, data) if prev is not None else 0
+        shared = _shared_elements(prev, data) if prev is not None else 0
         try:
-            scan = _Scan(data, prev if resume else None, resume)
+            if prev is not None and shared:
+                scan = _Scan(data, prev, prev.ends[shared - 1])
+                ends = (*prev.ends[:shared], *scan.ends)
+            else:
+                scan = _Scan(data, None, 0)
+                ends = tuple(scan.ends)
         except (ValueError, RecursionError):  # bad JSON (or JSON this scan does not take): parsed whole, as always
             return Body.parse(data)
-        ends = scan.ends
-        if resume and prev is not None:
-            ends = [*prev.ends[: prev.ends.index(resume) + 1], *ends]
-        seen = _Seen(data, scan.key, scan.start, tuple(ends)) if scan.key is not None and ends else None
+        seen = _Seen(data, scan.key, scan.start, ends) if scan.key is not None and ends else None
         self._remember(session_id, seen)
         return Body(value=scan.body, json_bytes=fold_line_breaks(data), lean=scan.key is not None)
 
@@ -82,22 +85,20 @@ class ResentBodies:
             self._bytes -= len(dropped.data)
 
 
-def _resume_point(prev: _Seen, data: bytes) -> int:
-    """The last end of a conversation element of ``prev`` up to which ``data`` holds the same bytes; 0 if none."""
-    ends = [end for end in prev.ends if end < len(data)]
-    if not ends:
-        return 0
+def _shared_elements(prev: _Seen, data: bytes) -> int:
+    """How many of ``prev``'s conversation elements ``data`` holds byte for byte, up to the last one's end."""
+    count = bisect.bisect_left(prev.ends, len(data))  # ends before the end of data
     old = memoryview(prev.data)  # compared in place, not copied
-    if data.startswith(old[: ends[-1]]):  # the usual case: the whole old conversation, and more
-        return ends[-1]
-    lo, hi, found = 0, len(ends) - 2, 0  # the same bytes up to an end means the same up to every earlier end
+    if count == 0 or data.startswith(old[: prev.ends[count - 1]]):  # usually: the whole old conversation, and more
+        return count
+    lo, hi = 0, count - 2  # the same bytes up to an end means the same bytes up to every earlier end too
     while lo <= hi:
         mid = (lo + hi) // 2
-        if data.startswith(old[: ends[mid]]):
-            found, lo = ends[mid], mid + 1
+        if data.startswith(old[: prev.ends[mid]]):
+            lo = mid + 1
         else:
             hi = mid - 1
-    return found
+    return lo
 
 
 class _Scan:
