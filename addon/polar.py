@@ -311,15 +311,17 @@ class Polar:
                 if name in headers:
                     del flow.request.headers[name]
         found = session.resolve(headers, flow.request.path, self.salt)
+        ours: dict[str, str] = {}
         if to_provider:
             flow.request.headers.pop(session.SESSION_HEADER, None)  # ours, not the provider's
         else:
             flow.request.path = found.path
             if self.upstream_key:
                 self._set_upstream_key(flow, found.credential_header)
-            flow.request.headers[session.SESSION_HEADER] = found.id
+            ours[session.SESSION_HEADER] = found.id
         # The tee must see plain bytes; a gzipped stream could not be recorded chunk by chunk.
-        flow.request.headers["accept-encoding"] = "identity"
+        ours["accept-encoding"] = "identity"
+        set_headers(flow.request.headers, ours)
         try:
             # .content looks the content-encoding up again; without one it is the raw bytes.
             data = (flow.request.content if "content-encoding" in headers else flow.request.raw_content) or b""
@@ -559,7 +561,24 @@ def _set_content(request: http.Request, data: bytes, headers: dict[str, str]) ->
         return
     request.raw_content = data
     if "transfer-encoding" not in headers:
-        request.headers["content-length"] = str(len(data))
+        set_headers(request.headers, {"content-length": str(len(data))})
+
+
+def set_headers(headers: http.Headers, values: dict[str, str]) -> None:
+    """``headers[name] = value`` for each of ``values`` (lower-case names) in one pass over the fields, as
+    mitmproxy sets one: the first field of a name takes the value in place, its repeats go, a new name is added at
+    the end. (mitmproxy's own setter rebuilds the fields once per header.)"""
+    new = {name.encode(): value.encode("utf-8", "surrogateescape") for name, value in values.items()}
+    fields: list[tuple[bytes, bytes]] = []
+    taken: set[bytes] = set()
+    for name, value in headers.fields:
+        key = name.lower()
+        if key not in new:
+            fields.append((name, value))
+        elif key not in taken:
+            fields.append((name, new[key]))
+            taken.add(key)
+    headers.fields = (*fields, *((name, value) for name, value in new.items() if name not in taken))
 
 
 def _is_loopback(host: str) -> bool:
