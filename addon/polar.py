@@ -37,7 +37,19 @@ if __package__ in (None, "", "__mitmproxy_script__"):
     # `mitmdump -s addon/polar.py` loads this file as a loose script: make its package importable.
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from addon import apis, chat, clamp, constrained, native, proxy_errors, reroute, responses, session, translating
+from addon import (
+    apis,
+    chat,
+    clamp,
+    constrained,
+    native,
+    proxy_errors,
+    reroute,
+    resent,
+    responses,
+    session,
+    translating,
+)
 from addon.record import FORMAT_VERSION, Body, Exchange, merge_fields
 from addon.writer import CaptureWriter
 
@@ -103,6 +115,7 @@ class Polar:
         self.native_options = native.Options(model="", upstream="vllm")
         self.clamp = True
         self.context_lengths = clamp.ContextLengths()
+        self.resent = resent.ResentBodies()  # each session's last body: the next is checked only where it differs
 
     def load(self, loader: Any) -> None:
         loader.add_option("polar_dir", str, "captures", "Folder for capture files (created 0700, files 0600).")
@@ -292,25 +305,33 @@ class Polar:
             return
         # Capture-only calls go on to the real provider, which needs the harness's own key.
         to_provider = route == reroute.CAPTURE
-        headers = {k.lower(): v for k, v in flow.request.headers.items()}
+        headers = {name.lower(): value for name, value in header_items(flow.request.headers).items()}
         if not to_provider:
             for name in session.CREDENTIAL_HEADERS:  # first, so no later failure can forward them
-                flow.request.headers.pop(name, None)
+                if name in headers:
+                    del flow.request.headers[name]
         found = session.resolve(headers, flow.request.path, self.salt)
+        ours: dict[str, str] = {}
         if to_provider:
             flow.request.headers.pop(session.SESSION_HEADER, None)  # ours, not the provider's
         else:
             flow.request.path = found.path
             if self.upstream_key:
                 self._set_upstream_key(flow, found.credential_header)
-            flow.request.headers[session.SESSION_HEADER] = found.id
+            ours[session.SESSION_HEADER] = found.id
         # The tee must see plain bytes; a gzipped stream could not be recorded chunk by chunk.
-        flow.request.headers["accept-encoding"] = "identity"
+        ours["accept-encoding"] = "identity"
+        set_headers(flow.request.headers, ours)
         try:
-            data = flow.request.content or b""
+            # .content looks the content-encoding up again; without one it is the raw bytes.
+            data = (flow.request.content if "content-encoding" in headers else flow.request.raw_content) or b""
         except ValueError:  # a content-encoding we cannot undo: record the bytes as sent
             data = flow.request.raw_content or b""
-        request = Body.parse(data)
+        # A call to translate reads its whole body; the others only its top-level fields.
+        to_translate = (
+            self.translate and not to_provider and apis.detect_api(found.path, headers, None) in apis.TRANSLATED
+        )
+        request = Body.parse(data) if to_translate else self.resent.parse(found.id, data)
         api = apis.detect_api(found.path, headers, request.value)
         if route == reroute.REROUTE and not reroute.is_model_call(flow.request.method, api):
             flow.response = reroute.local_answer(flow.request)  # not a model call: unrecorded, never forwarded
@@ -366,7 +387,7 @@ class Polar:
                 body = ex.request.full()  # splice re-serialises the whole body to change a field the client sent
             if added:
                 sent, pure_addition = chat.splice(data, body, added)
-                flow.request.content = sent
+                _set_content(flow.request, sent, headers)
                 ex.injected = added
                 if not pure_addition:
                     ex.upstream_request = Body.parse(sent)
@@ -384,7 +405,9 @@ class Polar:
         url, model = clamp.models_url(flow.request.url), sent.value.get("model")
         model = model if isinstance(model, str) else ""
         flow.metadata[CAP_KEY] = (url, model)  # a refusal that names the context teaches it (response hook)
-        auth = {k: v for k, v in flow.request.headers.items() if k.lower() in ("authorization", "x-api-key")}
+        auth = {
+            k: v for k, v in header_items(flow.request.headers).items() if k.lower() in ("authorization", "x-api-key")
+        }
         length = self.context_lengths.length(url, model, auth, verify=not ctx.options.ssl_insecure)
         asked = sent.value[field]
         if length is None or asked <= length:
@@ -411,9 +434,11 @@ class Polar:
             return
         ex.t_first_byte = time.time()
         ex.status = flow.response.status_code
-        ex.response_headers = _recordable_response_headers(flow.response)
-        ex.streamed = flow.response.headers.get("content-type", "").startswith("text/event-stream")
-        ex.content_encoding = flow.response.headers.get("content-encoding", "")
+        items = header_items(flow.response.headers)
+        ex.response_headers = _recordable_response_headers(items)
+        lower = {name.lower(): value for name, value in items.items()}
+        ex.streamed = lower.get("content-type", "").startswith("text/event-stream")
+        ex.content_encoding = lower.get("content-encoding", "")
         # Only event streams are teed: mitmproxy forwards a JSON answer in one piece once it is
         # complete anyway, and streaming it chunk-wise costs ~2 ms per call on loopback.
         translation = flow.metadata.get(translating.TRANSLATION_KEY)
@@ -431,7 +456,7 @@ class Polar:
             return
         if ex.status is None:  # answered by the addon itself, without an upstream
             ex.status = flow.response.status_code
-            ex.response_headers = _recordable_response_headers(flow.response)
+            ex.response_headers = _recordable_response_headers(header_items(flow.response.headers))
         if not ex.streamed:  # buffered by mitmproxy, still content-encoded: encode() undoes that
             ex.chunks, ex.chunk_times = [flow.response.raw_content or b""], [time.time()]
             if ex.status == 400 and (cap := flow.metadata.get(CAP_KEY)) is not None:
@@ -510,9 +535,50 @@ def _writable_folder(directory: Path) -> bool:
     return False
 
 
-def _recordable_response_headers(response: http.Response) -> dict[str, str]:
+def _recordable_response_headers(items: dict[str, str]) -> dict[str, str]:
     # A real provider (capture-only mode) sets cookies; like the client's, they stay off disk.
-    return {k: v for k, v in response.headers.items() if k.lower() != "set-cookie"}
+    return {k: v for k, v in items.items() if k.lower() != "set-cookie"}
+
+
+def header_items(headers: http.Headers) -> dict[str, str]:
+    """``dict(headers.items())`` (a name as first sent, repeated values joined with ", "), read from the raw
+    fields in one pass: mitmproxy's ``items()`` looks every name up again across all fields."""
+    items: dict[str, str] = {}
+    first: dict[str, str] = {}  # lower-case name -> the name as first sent
+    for raw_name, raw_value in headers.fields:
+        name = raw_name.decode("utf-8", "surrogateescape")  # as mitmproxy decodes header names and values
+        value = raw_value.decode("utf-8", "surrogateescape")
+        name = first.setdefault(name.lower(), name)
+        items[name] = f"{items[name]}, {value}" if name in items else value
+    return items
+
+
+def _set_content(request: http.Request, data: bytes, headers: dict[str, str]) -> None:
+    """``request.content = data`` without its header look-ups where the client sent no content-encoding
+    (``headers``: the client's, lower-case names)."""
+    if "content-encoding" in headers:
+        request.content = data  # encoded again as the client sent it
+        return
+    request.raw_content = data
+    if "transfer-encoding" not in headers:
+        set_headers(request.headers, {"content-length": str(len(data))})
+
+
+def set_headers(headers: http.Headers, values: dict[str, str]) -> None:
+    """``headers[name] = value`` for each of ``values`` (lower-case names) in one pass over the fields, as
+    mitmproxy sets one: the first field of a name takes the value in place, its repeats go, a new name is added at
+    the end. (mitmproxy's own setter rebuilds the fields once per header.)"""
+    new = {name.encode(): value.encode("utf-8", "surrogateescape") for name, value in values.items()}
+    fields: list[tuple[bytes, bytes]] = []
+    taken: set[bytes] = set()
+    for name, value in headers.fields:
+        key = name.lower()
+        if key not in new:
+            fields.append((name, value))
+        elif key not in taken:
+            fields.append((name, new[key]))
+            taken.add(key)
+    headers.fields = (*fields, *((name, value) for name, value in new.items() if name not in taken))
 
 
 def _is_loopback(host: str) -> bool:

@@ -148,10 +148,7 @@ class Body:
             return cls(raw=raw_body(data))
         except RecursionError:
             return cls(raw=raw_body(data), too_deep=True)
-        # The body itself when it has no line break (what JSON encoders write): a 50 MB prompt costs
-        # no copy here; else one copy with the breaks folded.
-        folded = data.translate(_FOLD) if b"\n" in data or b"\r" in data else data
-        return cls(value=value, json_bytes=folded, lean=lean and isinstance(value, dict))
+        return cls(value=value, json_bytes=fold_line_breaks(data), lean=lean and isinstance(value, dict))
 
     def full(self) -> Any:
         """The whole parsed value (parsing the body again after a lean parse)."""
@@ -162,6 +159,12 @@ class Body:
     @property
     def is_json(self) -> bool:
         return self.json_bytes is not None
+
+
+def fold_line_breaks(data: bytes) -> bytes:
+    """JSON bytes with line breaks as spaces, for a record line. The body itself when it has none (what JSON
+    encoders write): a 50 MB prompt costs no copy here; else one copy with the breaks folded."""
+    return data.translate(_FOLD) if b"\n" in data or b"\r" in data else data
 
 
 _WS = re.compile(r"[ \t\n\r]*")  # JSON's whitespace, as the json module reads it

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-__all__ = ["chat_body"]
+__all__ = ["chat_body", "session_bodies"]
 
 _RULES = [
     "Read the relevant files before you edit them, and keep every change minimal and focused.",
@@ -120,3 +120,25 @@ def chat_body(*, target_bytes: int = 100_000, stream: bool = False, model: str =
     if stream:
         body["stream"] = True
     return body
+
+
+def session_bodies(
+    count: int, *, target_bytes: int = 100_000, stream: bool = False, extra: dict[str, object] | None = None
+) -> list[bytes]:
+    """``count`` encoded calls of one agent session: the same history of about ``target_bytes``, each call with its
+    own last turn (a ~2 KB tool result), as an agent resends its history with every call; ``extra`` fields are
+    added to each. Same sizes within a few percent."""
+    base = chat_body(target_bytes=target_bytes - 2_300, stream=stream)
+    history = list(base["messages"])  # type: ignore[call-overload]
+    bodies = []
+    for i in range(count):
+        turn = [
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [_tool_call(f"call_{i}", "read_file", {"path": f"m{i}.py"})],
+            },
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": _code(2_000, 100 + i)[:2_000]},
+        ]
+        bodies.append(json.dumps({**base, "messages": [*history, *turn], **(extra or {})}).encode())
+    return bodies
