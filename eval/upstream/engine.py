@@ -51,6 +51,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 import torch.nn.functional as F
+from transformers.cache_utils import Cache, DynamicLayer
 
 from eval.upstream.toolparse import Event, OutputParser, StopStrings
 
@@ -121,12 +122,41 @@ class _Sequence:
         return len(self.prompt_ids) + self.n_generated - 1
 
 
+class _GrowingLayer(DynamicLayer):
+    """One layer's KV with spare columns after its tokens, so that a decode step writes its token in place:
+    DynamicLayer concatenates, copying the whole layer on every step, a cost that grows with the context and the
+    rows of the batch. ``keys`` and ``values`` are views of the tokens held; ``replace`` swaps in new contents."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.replace(keys, values)
+
+    def replace(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Holds a copy of these (B, kv_heads, n, head_dim) with room for a quarter more tokens, at least 64: the
+        copies as the layer grows come once per n / 4 steps, one column per step amortized."""
+        n = keys.shape[2]
+        size = (keys.shape[0], keys.shape[1], n + max(64, n // 4), keys.shape[3])
+        self._keys, self._values = keys.new_empty(size), values.new_empty(size)  # (B, kv_heads, capacity, head_dim)
+        self._keys[:, :, :n], self._values[:, :, :n] = keys, values
+        self.keys, self.values = self._keys[:, :, :n], self._values[:, :, :n]
+        self.device, self.is_initialized = keys.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        n, t = self.keys.shape[2], key_states.shape[2]
+        if n + t > self._keys.shape[2]:
+            self.replace(self.keys, self.values)
+        self._keys[:, :, n : n + t], self._values[:, :, n : n + t] = key_states, value_states
+        self.keys, self.values = self._keys[:, :, : n + t], self._values[:, :, : n + t]
+        return self.keys, self.values
+
+
 class _Batch:
     """The running rows of one adapter: one KV cache, left-padded to a common length, and its padding mask."""
 
     def __init__(self, seq: _Sequence, cache: Any) -> None:
         self.rows = [seq]
-        self.cache = cache  # DynamicCache; cache.layers[i].keys / .values: (B, kv_heads, L, head_dim)
+        # cache.layers[i].keys / .values: (B, kv_heads, L, head_dim)
+        self.cache = Cache(layers=[_GrowingLayer(x.keys, x.values) for x in cache.layers])
         self.mask = torch.ones(1, cache.get_seq_length(), dtype=torch.long)  # (B, L): 0 on left padding
 
     def join(self, seq: _Sequence, cache: Any) -> None:
@@ -139,7 +169,7 @@ class _Batch:
         ones = torch.ones(1, cache.get_seq_length(), dtype=torch.long)  # (1, T)
         mask = _stack_left_padded(self.mask, ones, length, 1)
         for layer, layer_keys, layer_values in zip(self.cache.layers, keys, values, strict=True):
-            layer.keys, layer.values = layer_keys, layer_values  # (B + 1, kv_heads, length, head_dim)
+            layer.replace(layer_keys, layer_values)  # (B + 1, kv_heads, length, head_dim)
         self.mask = mask  # (B + 1, length)
         self.rows.append(seq)
 
@@ -166,8 +196,10 @@ class _Batch:
         start = int(mask.any(0).nonzero()[0])  # the first column a remaining row uses
         self.mask = mask[:, start:]  # (B', L')
         for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(0, index)[:, :, start:]  # (B', kv_heads, L', head_dim)
-            layer.values = layer.values.index_select(0, index)[:, :, start:]
+            # (B', kv_heads, L', head_dim)
+            layer.replace(
+                layer.keys.index_select(0, index)[:, :, start:], layer.values.index_select(0, index)[:, :, start:]
+            )
 
 
 def _stack_left_padded(a: torch.Tensor, b: torch.Tensor, length: int, seq_dim: int) -> torch.Tensor:
@@ -284,7 +316,6 @@ class Engine:
 
     def __init__(self, model_dir: Path, seed: int, max_batch: int = 32, prefix_cache_tokens: int = 65536) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
-        from transformers.cache_utils import DynamicLayer
 
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, not {max_batch}")
@@ -312,6 +343,12 @@ class Engine:
         self._scheduler = threading.Thread(target=self._schedule, name="engine-scheduler", daemon=True)
         self._scheduler.start()
         atexit.register(self._stop)
+        print(
+            f"engine: {torch.get_num_threads()} torch threads, up to {max_batch} requests per batch, prefix cache "
+            f"{prefix_cache_tokens} tokens",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def load_adapter(self, name: str, path: str) -> None:
         """Load a PEFT LoRA adapter (``train/grpo.py``'s output) under ``name``; requests for model ``name`` use
