@@ -13,10 +13,11 @@ Scheduling. Requests queue for a background thread that owns the model. It prefi
 forward over its prompt), then merges that KV cache into the running batch of the same adapter, left-padding the
 shorter side: one copy per join. Each decode step is then one forward for all rows of one adapter (None: the base
 model), with an attention mask over the padding and explicit position ids per row, because Llama/Qwen3 do not infer
-positions from the mask; batches of different adapters take turns, step by step. Every row keeps its own sampling
-settings and random generator. Rows leave when they finish or when their consumer stops reading (a stop string, a
-client that hung up): the batch is compacted before its next step. At most ``max_batch`` rows run; further
-requests wait. An error in a forward pass reaches the requests of that forward as an exception; the scheduler
+positions from the mask; batches of different adapters take turns, step by step. A batch's KV keeps room for a
+quarter more tokens (at least 64), so a step writes its column in place instead of copying the whole cache. Every
+row keeps its own sampling settings and random generator. Rows leave when they finish or when their consumer stops
+reading (a stop string, a client that hung up): the batch is compacted before its next step. At most
+``max_batch`` rows run; further requests wait. An error in a forward pass reaches the requests of that forward as an exception; the scheduler
 carries on with the others.
 
 Prefix caching (vLLM's automatic prefix caching, simplified). An agent session's every prompt is the previous one
@@ -148,6 +149,20 @@ class _GrowingLayer(DynamicLayer):
         self._keys[:, :, n : n + t], self._values[:, :, n : n + t] = key_states, value_states
         self.keys, self.values = self._keys[:, :, : n + t], self._values[:, :, : n + t]
         return self.keys, self.values
+
+
+class _OutputLayer(torch.nn.Module):
+    """A bias-free output layer computing W @ h^T where nn.Linear computes h @ W^T: the same logits up to float
+    rounding, but CPU BLAS (MKL) streams the (V, H) weight once for all rows this way, 1.5x faster for 2 to 32 rows
+    on SmolLM2's 49152 x 576 head (an AMD EPYC core), as fast for one. It holds the same weight (tied or not)."""
+
+    def __init__(self, weight: torch.nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight  # (V, H)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        rows = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
+        return (self.weight @ rows.T).T.reshape(*hidden.shape[:-1], -1)  # (..., V)
 
 
 class _Batch:
@@ -322,6 +337,9 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
         self.model.eval()
+        head = self.model.get_output_embeddings()
+        if type(head) is torch.nn.Linear and head.bias is None:  # train/grpo.py's adapters leave it out, as vLLM's do
+            self.model.set_output_embeddings(_OutputLayer(head.weight))
         # Joining rows pads and concatenates whole caches, which is only right when every layer keeps all tokens.
         if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=self.model.config).layers):
             raise ValueError(f"{model_dir}: sliding-window or linear-attention layers cannot be batched here")
