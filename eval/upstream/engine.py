@@ -17,8 +17,8 @@ positions from the mask; batches of different adapters take turns, step by step.
 quarter more tokens (at least 64), so a step writes its column in place instead of copying the whole cache. Every
 row keeps its own sampling settings and random generator. Rows leave when they finish or when their consumer stops
 reading (a stop string, a client that hung up): the batch is compacted before its next step. At most
-``max_batch`` rows run; further requests wait. An error in a forward pass reaches the requests of that forward as an exception; the scheduler
-carries on with the others.
+``max_batch`` rows run; further requests wait. An error in a forward pass reaches the requests of that forward as
+an exception; the scheduler carries on with the others.
 
 Prefix caching (vLLM's automatic prefix caching, simplified). An agent session's every prompt is the previous one
 plus the answer and a tool result, and sessions share a system prompt, so most of a prompt's KV was computed before.

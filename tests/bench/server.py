@@ -255,7 +255,7 @@ def evaluate(summary: dict[str, Any], concurrency: int) -> list[dict[str, str]]:
          "limit": f"{n}/{n}", "result": "PASS" if summary["batched_equal"] == n else "MISS"},
         {"name": "greedy token ids, server alone == model.generate()", "measured": f"{summary['generate_equal']}/{n}",
          "limit": f"{n}/{n}", "result": "PASS" if summary["generate_equal"] == n else "MISS"},
-        {"name": "largest |log-prob difference|, batched row vs alone",
+        {"name": "largest absolute log-prob difference, batched row vs alone",
          "measured": f"{summary['max_logprob_diff']:.1e}", "limit": "-", "result": "info"},
     ]  # fmt: skip
 
