@@ -60,12 +60,18 @@ check: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-# Benchmarks, not tests: each prints a table and writes tests/bench/results/<name>.md and .json.
-bench: $(STAMP)
+# Benchmarks, not tests: each prints a table and writes tests/bench/results/<name>.md and .json; the last prints every
+# target with PASS / MISS (results/summary.md). litellm builds .venv-litellm on first use; server needs models/smollm2;
+# suite runs the whole test suite (minutes).
+bench: $(STAMP) models/smollm2
 	$(BIN)/python -m tests.bench.proxy
+	$(BIN)/python -m tests.bench.litellm
 	$(BIN)/python -m tests.bench.reconstruct
+	$(BIN)/python -m tests.bench.server
 	$(BIN)/python -m tests.bench.train
 	$(BIN)/python -m tests.bench.reliability
+	$(BIN)/python -m tests.bench.suite
+	$(BIN)/python -m tests.bench.summary
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache build *.egg-info
