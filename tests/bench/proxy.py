@@ -485,6 +485,9 @@ def main(cfg: Config) -> int:
 
     overhead, target_table = console_tables(stats, verdicts, cfg.concurrency)
     console.print(overhead, *([translate.table(api_stats, cfg.chunks)] if api_paths else []), target_table)
+    for v in verdicts:
+        if v["result"] == "MISS" and v["name"] in CLOSE_IT:
+            v["close"] = CLOSE_IT[str(v["name"])]
     notes = _notes(cfg, plan, time.monotonic() - t_start)
     notes += [
         f"MISS {v['name']}: {CLOSE_IT[str(v['name'])]}"

@@ -501,7 +501,11 @@ def report(
         "ratio": ratio,
         "cpu_ratio": cpu_ratio,
         "parallel_ratio": par_ratio,
-        "targets": [dict(zip(("target", "measured", "limit", "result"), t, strict=True)) for t in targets],
+        "targets": [
+            dict(zip(("name", "measured", "limit", "result"), t, strict=True))
+            | ({"close": CLOSE_THE_GAP} if t[3] == "MISS" else {})
+            for t in targets
+        ],
         "when": when,
     }
     return [table, details], "\n".join(md) + "\n", raw

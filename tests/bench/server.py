@@ -246,7 +246,8 @@ def evaluate(summary: dict[str, Any], concurrency: int) -> list[dict[str, str]]:
     n, ratio, cpu_ratio = summary["rounds"], summary["ratio"], summary["cpu_ratio"]
     return [
         {"name": f"concurrency {concurrency} / single request, aggregate tokens/s", "measured": f"{ratio:.2f}x",
-         "limit": f">= {TARGET:g}x", "result": "PASS" if ratio >= TARGET else "MISS"},
+         "limit": f">= {TARGET:g}x", "result": "PASS" if ratio >= TARGET else "MISS",
+         **({} if ratio >= TARGET else {"close": WIDEN})},
         {"name": f"concurrency {concurrency} / single request, tokens per server CPU second",
          "measured": "-" if cpu_ratio is None else f"{cpu_ratio:.2f}x", "limit": "-", "result": "info"},
         {"name": "single request / model.generate(), tokens/s", "measured": f"{summary['single_vs_generate']:.2f}x",
@@ -313,15 +314,18 @@ def notes(cfg: Config, result: dict[str, Any], elapsed: float, load: tuple[float
             "Prefix cache on (the server's default): after the warm-up each prompt's KV is cached, so both paths "
             "measure decoding; the single request's row is compared with the same prompt's row of the batch."
         ),
-        (
-            "What limits the ratio: one 8-row forward of SmolLM2 costs about 2x a 1-row forward on one core here "
-            "(the engine adds little: in-place KV writes, one logits product for all rows). One row is bound by "
-            "memory, 8 rows by arithmetic, and MKL runs its generic code path on AMD CPUs (MKL_VERBOSE says 'Intel(R) "
-            "Architecture processors', not AVX2): about 30 GFLOPS for these 8-row products. What would widen it: "
-            "AVX2 kernels (an Intel CPU, or a torch built on OpenBLAS/BLIS), a GPU, or more threads on a quiet "
-            "machine (--threads 2: arithmetic scales with cores, memory bandwidth less)."
-        ),
+        f"What limits the ratio: {WIDEN}",
     ]
+
+
+WIDEN = (
+    "one 8-row forward of SmolLM2 costs about 2x a 1-row forward on one core here "
+    "(the engine adds little: in-place KV writes, one logits product for all rows). One row is bound by "
+    "memory, 8 rows by arithmetic, and MKL runs its generic code path on AMD CPUs (MKL_VERBOSE says 'Intel(R) "
+    "Architecture processors', not AVX2): about 30 GFLOPS for these 8-row products. What would widen it: "
+    "AVX2 kernels (an Intel CPU, or a torch built on OpenBLAS/BLIS), a GPU, or more threads on a quiet "
+    "machine (--threads 2: arithmetic scales with cores, memory bandwidth less)."
+)
 
 
 def main(cfg: Config) -> int:
