@@ -1,6 +1,6 @@
 """Benchmark the reference server's batching on SmolLM2: 8 concurrent requests against one, over HTTP.
 
-Run:  .venv/bin/python -m tests.bench.server [--quick] [--threads 1] [--out tests/bench/results/server.md]
+Run:  .venv/bin/python -m tests.bench.server [--quick] [--threads N] [--out tests/bench/results/server.md]
 
 Starts the real reference server (``python -m eval serve --model models/smollm2``, as the demo and the tests start
 it) and sends it streamed Chat Completions requests the way the capture proxy forwards them (greedy, ``logprobs``,
@@ -65,10 +65,10 @@ class Config:
     """Markdown results file (relative to the repository root); the JSON goes next to it as .json."""
     model: Path = Path("models/smollm2")
     """Model directory (``python -m eval.upstream.models`` builds it; never the Hugging Face hub)."""
-    threads: int = 1
-    """torch CPU threads, for the server (OMP_NUM_THREADS) and model.generate() alike. One by default: on a shared
-    machine, OpenMP threads that wait for each other while one is descheduled make multi-thread timings meaningless
-    (the server itself uses one per CPU unless told otherwise)."""
+    threads: int = torch.get_num_threads()
+    """torch CPU threads, for the server (OMP_NUM_THREADS) and model.generate() alike. By default what the server
+    uses when not told: torch's default, one per core. On a shared machine use --threads 1: OpenMP threads that
+    wait for each other while one is descheduled make multi-thread timings meaningless."""
     tokens: int = 64
     """Completion tokens per request."""
     concurrency: int = 8
