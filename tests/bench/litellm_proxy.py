@@ -28,8 +28,7 @@ from tests.bench.procs import ROOT, stop, tail
 __all__ = ["MODEL", "PIP_SPEC", "VENV", "LiteLLM", "ensure_venv", "start_litellm"]
 
 # 1.108.0: of the releases tried, the newest whose [proxy] extra resolved from PyPI on 2026-12-02
-# (1.108.14, 1.109.3 and 1.110.2 pin litellm-proxy / litellm-proxy-extras releases PyPI did not
-# have). Far from 1.82.7 / 1.82.8, the releases that shipped a credential stealer (BerriAI/litellm#24518).
+# (1.108.14, 1.109.3 and 1.110.2 pin litellm-proxy / litellm-proxy-extras releases PyPI did not have).
 VERSION = "1.108.0"
 PIP_SPEC = f"litellm[proxy]=={VERSION}"
 VENV = ROOT / ".venv-litellm"
