@@ -30,7 +30,6 @@ import dataclasses
 import gc
 import json
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -45,13 +44,13 @@ from rich.console import Console
 from rich.progress import Progress
 
 from tests.bench import litellm_report as report
+from tests.bench import proxy
 from tests.bench.litellm_proxy import MODEL, ensure_venv, start_litellm
 from tests.bench.payload import chat_body
 from tests.bench.procs import ROOT, cpu_seconds, start_mitmdump, start_upstream, stop
 from tests.bench.upstream import DEFAULT_CHUNKS, completion_text
 
 URL_PATH = "/v1/chat/completions"
-MAX_ERRORS = 20  # a path that fails this often is dropped for the rest of the run
 # Through LiteLLM the request body is rebuilt, so the stream length cannot ride in it: every path gets the default.
 CHUNKS = DEFAULT_CHUNKS
 STREAM_TEXT = "".join(f"tok{i} " for i in range(CHUNKS))  # what the upstream's chunks say, joined
@@ -93,42 +92,12 @@ def make_plan(cfg: Config) -> Plan:
 
 
 @dataclasses.dataclass
-class Target:
-    """One path to the upstream, with its clients and everything measured on it."""
+class Target(proxy.Target):
+    """A path of the proxy bench that sends its own headers (LiteLLM wants its master key) and keeps the first good
+    answer of each kind (to compare what the logs kept with what was answered)."""
 
-    name: str  # direct | mitmdump | addon | litellm
-    base_url: str
-    headers: dict[str, str]
-    proc: subprocess.Popen[bytes] | None = None  # the proxy, or its `timeout` wrapper; its whole tree is measured
-    log: Path | None = None
-    client: httpx.Client | None = None
-    pool: list[httpx.Client] = dataclasses.field(default_factory=list)
-    requests: int = 0  # everything sent, warm-up included (the recorders should log each one)
-    errors: int = 0
-    error_samples: list[str] = dataclasses.field(default_factory=list)
-    lat_ms: list[float] = dataclasses.field(default_factory=list)
-    ttfb_ms: list[float] = dataclasses.field(default_factory=list)
-    stream_ms: list[float] = dataclasses.field(default_factory=list)
-    rps1: list[float] = dataclasses.field(default_factory=list)  # one value per round
-    rpsn: list[float] = dataclasses.field(default_factory=list)
-    cpu_s: dict[str, float] = dataclasses.field(default_factory=dict)  # proxy CPU seconds per workload
-    cpu_n: dict[str, int] = dataclasses.field(default_factory=dict)  # requests per workload
+    headers: dict[str, str] = dataclasses.field(default_factory=dict)
     answers: dict[str, bytes] = dataclasses.field(default_factory=dict)  # the first good one of each kind
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-
-    @property
-    def alive(self) -> bool:
-        return self.errors < MAX_ERRORS and (self.proc is None or self.proc.poll() is None)
-
-    def sent(self) -> None:
-        with self.lock:  # the concurrent run's threads count here too
-            self.requests += 1
-
-    def fail(self, what: str) -> None:
-        with self.lock:
-            self.errors += 1
-            if len(self.error_samples) < 5:
-                self.error_samples.append(what[:300])
 
     def open_clients(self, concurrency: int) -> None:
         def client() -> httpx.Client:
@@ -137,11 +106,6 @@ class Target:
 
         self.client = client()
         self.pool = [client() for _ in range(concurrency)]
-
-    def close_clients(self) -> None:
-        for c in [self.client, *self.pool]:
-            if c is not None:
-                c.close()
 
     def cpu(self) -> float | None:
         """User + system CPU seconds of the proxy's process tree so far; None for the direct path."""
@@ -333,7 +297,7 @@ def start_paths(
     up_proc, up_port = start_upstream(plan.limit_s)
     # The addon takes the API key as the session id (addon/session.py).
     plain = {"content-type": "application/json", "authorization": "Bearer bench-session"}
-    targets.append(Target("direct", f"http://127.0.0.1:{up_port}", plain, proc=up_proc))
+    targets.append(Target("direct", f"http://127.0.0.1:{up_port}", headers=plain, proc=up_proc))
     addon_args = [
         "-s",
         str(ROOT / "addon" / "polar.py"),
@@ -345,12 +309,14 @@ def start_paths(
     for name, extra in (("mitmdump", []), ("addon", addon_args)):
         log = tmp / f"{name}.log"
         proc, port, _ = start_mitmdump(up_port, log, tmp / f"conf-{name}", plan.limit_s, extra)
-        targets.append(Target(name, f"http://127.0.0.1:{port}", plain, proc=proc, log=log))
+        targets.append(Target(name, f"http://127.0.0.1:{port}", headers=plain, proc=proc, log=log))
     console.print("starting the LiteLLM proxy (10-30 s; the first run installs .venv-litellm first, a few minutes) ...")
     litellm = ensure_venv(tmp / "litellm-install.log")
     server = start_litellm(litellm, up_port, tmp, litellm_log, plan.limit_s)
     keyed = plain | {"authorization": f"Bearer {server.key}"}
-    targets.append(Target("litellm", f"http://127.0.0.1:{server.port}", keyed, proc=server.proc, log=server.log))
+    targets.append(
+        Target("litellm", f"http://127.0.0.1:{server.port}", headers=keyed, proc=server.proc, log=server.log)
+    )
 
 
 def wait_for_records(path: Path, want: int, timeout_s: float = 15.0) -> None:
