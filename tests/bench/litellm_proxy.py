@@ -9,13 +9,10 @@ logging callback, and returns once it answers ``/health/liveliness``.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import secrets
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tests.bench.procs import ROOT, stop, tail
+from tests.bench.procs import ROOT, die_with_parent, free_port, stop, tail
 
 __all__ = ["MODEL", "PIP_SPEC", "VENV", "LiteLLM", "ensure_venv", "start_litellm"]
 
@@ -60,18 +57,6 @@ class LiteLLM:
         self.proc, self.port, self.key, self.log = proc, port, key, log
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM when the benchmark dies (Linux), which ``timeout`` passes on."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _config(up_port: int) -> dict[str, object]:
     """The proxy config: the upstream as an OpenAI-compatible model, our JSONL callback, no database."""
     return {
@@ -97,7 +82,7 @@ def start_litellm(
     Raises RuntimeError with the log tail when it exits or does not answer within ``wait_s`` (it
     takes 10-30 s to start: it imports most of its providers).
     """
-    port, key = _free_port(), "sk-" + secrets.token_hex(32)  # no master key: it refuses to start
+    port, key = free_port(), "sk-" + secrets.token_hex(32)  # no master key: it refuses to start
     config = workdir / "litellm-config.yaml"
     config.write_text(json.dumps(_config(up_port), indent=2))  # JSON is YAML
     env = os.environ | {
@@ -119,7 +104,7 @@ def start_litellm(
             stdin=subprocess.DEVNULL,
             stdout=f,
             stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:

@@ -7,7 +7,6 @@ import dataclasses
 import json
 import os
 import platform
-import statistics
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from importlib.metadata import version
@@ -17,7 +16,7 @@ from typing import Any
 from rich.table import Table
 
 from tests.bench.litellm_proxy import PIP_SPEC
-from tests.bench.report import percentile
+from tests.bench.report import summarize
 
 __all__ = [
     "Logs",
@@ -47,28 +46,6 @@ _METRICS = [
     ("cpu_ms_stream", "proxy CPU per stream", "ms", 2),
     ("cpu_ms_concurrent", "proxy CPU per request, concurrency {n}", "ms", 2),
 ]
-
-
-def summarize(
-    *,
-    lat_ms: Sequence[float],
-    ttfb_ms: Sequence[float],
-    stream_ms: Sequence[float],
-    rps1: Sequence[float],
-    rpsn: Sequence[float],
-    cpu_ms: dict[str, float],
-) -> dict[str, float | None]:
-    """Pooled latency percentiles over all rounds; throughput is the median of the per-round values;
-    ``cpu_ms`` maps a workload (latency, stream, concurrent) to the proxy's CPU ms per request."""
-    return {
-        "latency_median_ms": percentile(lat_ms, 50),
-        "latency_p99_ms": percentile(lat_ms, 99),
-        "first_byte_median_ms": percentile(ttfb_ms, 50),
-        "stream_total_median_ms": percentile(stream_ms, 50),
-        "rps_c1": statistics.median(rps1) if rps1 else None,
-        "rps_cn": statistics.median(rpsn) if rpsn else None,
-        **{f"cpu_ms_{k}": cpu_ms.get(k) for k in ("latency", "stream", "concurrent")},
-    }
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

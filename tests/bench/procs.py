@@ -18,18 +18,18 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["ROOT", "cpu_seconds", "start_mitmdump", "start_upstream", "stop", "tail"]
+__all__ = ["ROOT", "cpu_seconds", "die_with_parent", "free_port", "start_mitmdump", "start_upstream", "stop", "tail"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Runs in the child before exec: SIGTERM when the benchmark dies, even by SIGKILL."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -63,7 +63,7 @@ def start_upstream(limit_s: int) -> tuple[subprocess.Popen[bytes], int]:
     """The fake vLLM upstream as a subprocess (not a thread: it must not share our GIL); its port."""
     # stdin is a pipe we never write to: if we die it closes and the upstream exits.
     cmd = [sys.executable, "-m", "tests.bench.upstream", "--exit-on-stdin-eof", "--max-seconds", str(limit_s)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, preexec_fn=die_with_parent)
     assert proc.stdout is not None
     ready, _, _ = select.select([proc.stdout], [], [], 15.0)
     line = proc.stdout.readline().decode() if ready else ""
@@ -81,7 +81,7 @@ def start_mitmdump(
     Raises RuntimeError with the exit status and log tail when it exits (mitmdump quits on startup
     errors such as an addon that fails to load or an unknown --set option) or never listens.
     """
-    port = _free_port()
+    port = free_port()
     cmd = [str(Path(sys.executable).parent / "mitmdump"), "--mode", f"reverse:http://127.0.0.1:{up_port}"]
     # Its own confdir, so the run leaves no CA files in ~/.mitmproxy.
     cmd += ["--listen-host", "127.0.0.1", "-p", str(port), "-q", "--set", f"confdir={confdir}", *extra]
@@ -90,7 +90,7 @@ def start_mitmdump(
         cmd = ["timeout", "-k", "5", str(limit_s), *cmd]
     with log.open("wb") as f:
         proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+            cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
         )
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
