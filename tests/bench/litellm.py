@@ -413,7 +413,7 @@ def main(cfg: Config) -> int:
         "versions": report.versions(),
         "stats": stats,
         "targets": rows,
-        "paths": {t.name: _raw(t) for t in targets},
+        "paths": {t.name: t.raw() for t in targets},
         "logs": logs.as_dict(),
         "log_problems": problems,
         "valid": not invalid,
@@ -422,19 +422,6 @@ def main(cfg: Config) -> int:
     out.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
     console.print(f"wrote {out} and {out.with_suffix('.json')} in {time.monotonic() - t_start:.0f} s")
     return 1 if invalid else 0
-
-
-def _raw(t: Target) -> dict[str, object]:
-    return {
-        "requests": t.requests,
-        "errors": t.errors,
-        "error_samples": t.error_samples,
-        "samples": {"latency": len(t.lat_ms), "streams": len(t.ttfb_ms)},
-        "rps_c1_per_round": t.rps1,
-        "rps_cn_per_round": t.rpsn,
-        "proxy_cpu_s": t.cpu_s,
-        "proxy_cpu_requests": t.cpu_n,
-    }
 
 
 if __name__ == "__main__":

@@ -206,6 +206,19 @@ class Target:
             if c is not None:
                 c.close()
 
+    def raw(self) -> dict[str, object]:
+        """What the results JSON keeps of this path beside its summary: counts and per-round values."""
+        return {
+            "requests": self.requests,
+            "errors": self.errors,
+            "error_samples": self.error_samples,
+            "samples": {"latency": len(self.lat_ms), "streams": len(self.ttfb_ms)},
+            "rps_c1_per_round": self.rps1,
+            "rps_cn_per_round": self.rpsn,
+            "proxy_cpu_s": self.cpu_s,
+            "proxy_cpu_requests": self.cpu_n,
+        }
+
 
 # ---------------------------------------------------------------- measurements
 
@@ -523,7 +536,7 @@ def main(cfg: Config) -> int:
         "plan": dataclasses.asdict(plan),
         "stats": stats,
         "targets": verdicts,
-        "paths": {t.name: _raw(t) for t in targets},
+        "paths": {t.name: t.raw() for t in targets},
         "apis": {"stats": api_stats, "paths": translate.raw(api_paths)},
         "addon": {"loaded": addon_error is None, "error": addon_error, **capture},
         "valid": not invalid,
@@ -532,19 +545,6 @@ def main(cfg: Config) -> int:
     out.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
     console.print(f"wrote {out} and {out.with_suffix('.json')} in {time.monotonic() - t_start:.0f} s")
     return 1 if invalid else 0
-
-
-def _raw(t: Target) -> dict[str, object]:
-    return {
-        "requests": t.requests,
-        "errors": t.errors,
-        "error_samples": t.error_samples,
-        "samples": {"latency": len(t.lat_ms), "streams": len(t.ttfb_ms)},
-        "rps_c1_per_round": t.rps1,
-        "rps_cn_per_round": t.rpsn,
-        "proxy_cpu_s": t.cpu_s,
-        "proxy_cpu_requests": t.cpu_n,
-    }
 
 
 def _notes(cfg: Config, plan: Plan, elapsed: float) -> list[str]:
