@@ -16,7 +16,7 @@ from typing import Any
 from rich.table import Table
 
 from tests.bench.litellm_proxy import PIP_SPEC
-from tests.bench.report import summarize
+from tests.bench.report import METRICS, summarize
 
 __all__ = [
     "Logs",
@@ -33,19 +33,6 @@ __all__ = [
 ]
 
 PATHS = {"direct": "direct", "mitmdump": "bare mitmdump", "addon": "mitmdump + addon", "litellm": "LiteLLM + logger"}
-
-# (key in a summary, label, unit, decimals)
-_METRICS = [
-    ("latency_median_ms", "non-streamed latency, median", "ms", 2),
-    ("latency_p99_ms", "non-streamed latency, p99", "ms", 2),
-    ("first_byte_median_ms", "stream first byte, median", "ms", 2),
-    ("stream_total_median_ms", "stream total, median", "ms", 2),
-    ("rps_c1", "requests/s, concurrency 1", "req/s", 0),
-    ("rps_cn", "requests/s, concurrency {n}", "req/s", 0),
-    ("cpu_ms_latency", "proxy CPU per non-streamed request", "ms", 2),
-    ("cpu_ms_stream", "proxy CPU per stream", "ms", 2),
-    ("cpu_ms_concurrent", "proxy CPU per request, concurrency {n}", "ms", 2),
-]
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -240,7 +227,7 @@ def log_problems(log: Path | None) -> list[str]:
 
 def _metric_rows(stats: dict[str, dict[str, float | None]], concurrency: int) -> list[list[str]]:
     rows = []
-    for key, label, unit, dec in _METRICS:
+    for key, label, unit, dec in METRICS:
         vals = [stats.get(p, {}).get(key) for p in PATHS]
         rows.append(
             [f"{label.format(n=concurrency)} ({unit})"]
@@ -258,7 +245,7 @@ def ratio_rows(stats: dict[str, dict[str, float | None]], concurrency: int) -> l
     """One "info" row per metric: LiteLLM's value over the addon's (above 1: LiteLLM takes more, or serves more)."""
     a, lt = stats.get("addon", {}), stats.get("litellm", {})
     out: list[dict[str, object]] = []
-    for key, label, _, _ in _METRICS:
+    for key, label, _, _ in METRICS:
         r = _ratio(lt.get(key), a.get(key))
         out.append(
             {

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from rich.table import Table
 
-__all__ = ["PATHS", "console_tables", "evaluate", "markdown", "percentile", "summarize"]
+__all__ = ["METRICS", "PATHS", "console_tables", "evaluate", "markdown", "percentile", "summarize"]
 
 # "streaming" is mitmdump with streaming on and nothing recorded: the fair baseline for streams, which bare
 # mitmdump buffers whole (the addon streams them, chunk by chunk).
@@ -23,7 +23,7 @@ PATHS = {
 }
 
 # (key in a summary, label, unit, decimals)
-_METRICS = [
+METRICS = [
     ("latency_median_ms", "non-streamed latency, median", "ms", 2),
     ("latency_p99_ms", "non-streamed latency, p99", "ms", 2),
     ("first_byte_median_ms", "stream first byte, median", "ms", 2),
@@ -164,7 +164,7 @@ def _columns(stats: dict[str, dict[str, float | None]]) -> tuple[list[str], list
 def _metric_rows(stats: dict[str, dict[str, float | None]], concurrency: int) -> list[list[str]]:
     paths, ratios = _columns(stats)
     rows = []
-    for key, label, unit, dec in _METRICS:
+    for key, label, unit, dec in METRICS:
         vals = {p: stats.get(p, {}).get(key) for p in paths}
         rs = [_ratio(vals[num], vals[den]) for num, den, _ in ratios]
         rows.append(
