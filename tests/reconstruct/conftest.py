@@ -132,49 +132,57 @@ class Agent:
 
 
 def client(base_url: str, session: str) -> openai.OpenAI:
+    """A client for one session; used in a ``with`` block, so its connections close before the tests run (an
+    unclosed socket collected during a later test fails that test)."""
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key=session, max_retries=0, timeout=60)
 
 
 def _interleaved(vllm_url: str) -> None:
-    a = Agent(client(vllm_url, S.streamed), MAIN, TASK, stream=True)
-    b = Agent(client(vllm_url, S.non_streamed), MAIN, TASK, stream=False)
-    while True:  # two sessions interleaved call by call
-        more_a, more_b = a.step()["calls"], b.step()["calls"]
-        if not (more_a or more_b):
-            break
+    with client(vllm_url, S.streamed) as ca, client(vllm_url, S.non_streamed) as cb:
+        a, b = Agent(ca, MAIN, TASK, stream=True), Agent(cb, MAIN, TASK, stream=False)
+        while True:  # two sessions interleaved call by call
+            more_a, more_b = a.step()["calls"], b.step()["calls"]
+            if not (more_a or more_b):
+                break
 
 
 def _subagents(vllm_url: str) -> None:
-    c = client(vllm_url, S.subagents)
-    main, sub = Agent(c, MAIN, TASK, stream=True), Agent(c, SUB, "Inspect notes.txt.", stream=False)
-    main.step(), sub.step(), main.step(), sub.step(), sub.step()
+    with client(vllm_url, S.subagents) as c:
+        main, sub = Agent(c, MAIN, TASK, stream=True), Agent(c, SUB, "Inspect notes.txt.", stream=False)
+        main.step(), sub.step(), main.step(), sub.step(), sub.step()
 
 
 def _compaction(vllm_url: str) -> None:
-    agent = Agent(client(vllm_url, S.compaction), MAIN, TASK, stream=True)
-    agent.step(), agent.step()
-    summary = agent.ask([*agent.messages, {"role": "user", "content": "Summarize the work so far."}])["content"]
-    fresh = Agent(agent.client, MAIN, f"{TASK}\n\nSummary of earlier work: {summary}", stream=True)
-    fresh.step(), fresh.step()
+    with client(vllm_url, S.compaction) as c:
+        agent = Agent(c, MAIN, TASK, stream=True)
+        agent.step(), agent.step()
+        summary = agent.ask([*agent.messages, {"role": "user", "content": "Summarize the work so far."}])["content"]
+        fresh = Agent(c, MAIN, f"{TASK}\n\nSummary of earlier work: {summary}", stream=True)
+        fresh.step(), fresh.step()
 
 
 def _retry_and_max_tokens(vllm_url: str) -> None:
-    agent = Agent(client(vllm_url, S.retry), MAIN, TASK, stream=False)
-    agent.ask(agent.messages)  # timed out, as far as the harness knows: sent again
-    agent.run()
-    agent = Agent(client(vllm_url, S.max_tokens), MAIN, TASK, stream=False)
-    agent.step(max_tokens=6)
-    agent.messages.append({"role": "user", "content": "Continue."})
-    agent.run()
+    with client(vllm_url, S.retry) as c:
+        agent = Agent(c, MAIN, TASK, stream=False)
+        agent.ask(agent.messages)  # timed out, as far as the harness knows: sent again
+        agent.run()
+    with client(vllm_url, S.max_tokens) as c:
+        agent = Agent(c, MAIN, TASK, stream=False)
+        agent.step(max_tokens=6)
+        agent.messages.append({"role": "user", "content": "Continue."})
+        agent.run()
 
 
 def _no_reasoning(vllm_url: str) -> None:
-    Agent(client(vllm_url, S.no_reasoning), MAIN, TASK, stream=True, send_reasoning=False).run()
+    with client(vllm_url, S.no_reasoning) as c:
+        Agent(c, MAIN, TASK, stream=True, send_reasoning=False).run()
 
 
 def _plain(plain_url: str) -> None:
-    Agent(client(plain_url, S.plain_streamed), MAIN, TASK, stream=True).run()
-    Agent(client(plain_url, S.plain_non_streamed), MAIN, TASK, stream=False).run()
+    with client(plain_url, S.plain_streamed) as c:
+        Agent(c, MAIN, TASK, stream=True).run()
+    with client(plain_url, S.plain_non_streamed) as c:
+        Agent(c, MAIN, TASK, stream=False).run()
 
 
 def _play(vllm_url: str, plain_url: str) -> None:

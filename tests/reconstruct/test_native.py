@@ -103,8 +103,8 @@ def test_vllm_responses_passthrough_keeps_the_servers_token_ids(tiny_model_dir, 
         Mitmdump(server.url, tmp_path / "captures", log=tmp_path / "mitm.log", polar_translate="never") as mitm,
     ):
         for session, stream in (("resp-streamed", True), ("resp-plain", False)):
-            client = openai.OpenAI(base_url=f"{mitm.url}/v1", api_key=session, max_retries=0, timeout=60)
-            responses_session(client, stream=stream)
+            with openai.OpenAI(base_url=f"{mitm.url}/v1", api_key=session, max_retries=0, timeout=60) as client:
+                responses_session(client, stream=stream)
         records = read_records(tmp_path / "captures", expect=4)
     assert {r["api"] for r in records} == {"responses"}
     for r in records:  # the client's include list was extended, so the whole body sent upstream is kept
@@ -209,7 +209,8 @@ def google_session(client, *, stream):
 def test_untranslated_native_calls_retokenize_to_the_tokens_the_model_saw(tiny_model_dir, tmp_path):
     with chain(tiny_model_dir, tmp_path, translate_outer="never") as (outer, outer_dir, inner_dir):
         for session, stream in (("claude-streamed", True), ("claude-plain", False)):
-            anthropic_session(anthropic.Anthropic(base_url=outer.url, api_key=session, max_retries=0), stream=stream)
+            with anthropic.Anthropic(base_url=outer.url, api_key=session, max_retries=0) as client:
+                anthropic_session(client, stream=stream)
         for session, stream in (("gemini-streamed", True), ("gemini-plain", False)):
             options = types.HttpOptions(base_url=outer.url, timeout=60_000)
             google_session(genai.Client(api_key=session, http_options=options), stream=stream)
