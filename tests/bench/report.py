@@ -6,12 +6,17 @@ Pure functions over plain dicts: ``summarize`` one path's samples, ``evaluate`` 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import statistics
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
+from rich.console import Console
 from rich.table import Table
 
-__all__ = ["METRICS", "PATHS", "console_tables", "evaluate", "markdown", "percentile", "summarize"]
+__all__ = ["METRICS", "PATHS", "console_tables", "evaluate", "markdown", "percentile", "summarize", "write_results"]
 
 # "streaming" is mitmdump with streaming on and nothing recorded: the fair baseline for streams, which bare
 # mitmdump buffers whole (the addon streams them, chunk by chunk).
@@ -220,3 +225,28 @@ def markdown(
     lines += table(_THEAD, [[str(r["name"]), _fmt_value(r), str(r["target"]), str(r["result"])] for r in targets])
     lines += [""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def write_results(
+    console: Console,
+    out: Path,
+    config: Any,
+    tables: Sequence[tuple[list[str], list[list[str]]]],
+    notes: list[str],
+    data: dict[str, Any],
+) -> None:
+    """Print ``tables`` ((head, rows) pairs); write them and ``notes`` as Markdown to ``out``, and ``data`` with the
+    config (a dataclass) and the notes as JSON next to it: what tests.bench.server and tests.bench.train write."""
+    lines: list[str] = []
+    for head, rows in tables:
+        table = Table(*head)
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+        lines += ["| " + " | ".join(r) + " |" for r in [head, ["---"] + ["---:"] * (len(head) - 1), *rows]] + [""]
+    lines += [f"- {n}" for n in notes]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(config).items()}
+    doc = {"config": settings, **data, "notes": notes}
+    out.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")

@@ -45,9 +45,9 @@ import httpx
 import torch
 import tyro
 from rich.console import Console
-from rich.table import Table
 
 from eval.procs import ReferenceServer
+from tests.bench import report
 from tests.bench.procs import cpu_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -337,24 +337,9 @@ def main(cfg: Config) -> int:
     result["summary"] = summary = summarize(result["rounds"])
     verdicts = evaluate(summary, cfg.concurrency)
     note_lines = notes(cfg, result, time.monotonic() - t0, (load0, os.getloadavg()[0]))
-    lines = []
-    for head, rows in tables(summary, verdicts, cfg.concurrency):
-        table = Table(*head)
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
-        lines += ["| " + " | ".join(r) + " |" for r in [head, ["---"] + ["---:"] * (len(head) - 1), *rows]] + [""]
-    lines += [f"- {n}" for n in note_lines]
     out = cfg.out if cfg.out.is_absolute() else ROOT / cfg.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
-    doc = {
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(cfg).items()},
-        **result,
-        "targets": verdicts,
-        "notes": note_lines,
-    }
-    out.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
+    data = {**result, "targets": verdicts}
+    report.write_results(console, out, cfg, tables(summary, verdicts, cfg.concurrency), note_lines, data)
     console.print(f"wrote {out} and {out.with_suffix('.json')} in {time.monotonic() - t0:.0f} s")
     return 0
 

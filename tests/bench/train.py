@@ -45,7 +45,8 @@ import numpy as np
 import torch
 import tyro
 from rich.console import Console
-from rich.table import Table
+
+from tests.bench import report
 
 ROOT = Path(__file__).resolve().parents[2]
 GiB = 2**30
@@ -274,10 +275,6 @@ def evaluate(step: dict[str, object], memory: dict[str, object]) -> list[dict[st
     ]  # fmt: skip
 
 
-def _table(head: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(r) + " |" for r in [head, ["---"] + ["---:"] * (len(head) - 1), *rows]]
-
-
 def tables(step: dict[str, object], memory: dict[str, object], verdicts: list[dict[str, object]]) -> list[tuple]:
     labels = {
         "plain": "plain forward+backward (full logits, CE)",
@@ -353,25 +350,10 @@ def main(cfg: Config) -> int:
     console.print("[bold]2. log-prob memory, fused chunks vs full logits[/]")
     memory = memory_benchmark(cfg, console)
     verdicts = evaluate(step, memory)
-    lines, note_lines = [], notes(cfg, step, memory, time.monotonic() - t0)
-    for head, rows in tables(step, memory, verdicts):
-        table = Table(*head)
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
-        lines += [*_table(head, rows), ""]
-    lines += [f"- {n}" for n in note_lines]
+    note_lines = notes(cfg, step, memory, time.monotonic() - t0)
     out = cfg.out if cfg.out.is_absolute() else ROOT / cfg.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
-    doc = {
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(cfg).items()},
-        "step": step,
-        "memory": memory,
-        "targets": verdicts,
-        "notes": note_lines,
-    }
-    out.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
+    data = {"step": step, "memory": memory, "targets": verdicts}
+    report.write_results(console, out, cfg, tables(step, memory, verdicts), note_lines, data)
     console.print(f"wrote {out} and {out.with_suffix('.json')} in {time.monotonic() - t0:.0f} s")
     return 0
 
