@@ -61,11 +61,5 @@ def main(argv: list[str]) -> int:
         return 2
 
 
-def moved(old: str, verb: str) -> int:
-    """What an old module name (``python -m eval.serve``) runs: a one-line pointer, then the verb."""
-    print(f"python -m {old} is now python -m eval {verb}", file=sys.stderr)
-    return main([verb, *sys.argv[1:]])
-
-
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

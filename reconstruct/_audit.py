@@ -4,8 +4,8 @@
 
 Each trace is teacher-forced once (``prompt_ids ‖ response_ids``); the final hidden states go through the output
 head ``chunk`` positions at a time, so the (T, V) logits never exist at once. Against the reference server
-(eval.serve, float32, same weights) the differences are float noise (~1e-5); against a real vLLM they measure the
-train/inference mismatch that importance-sampling corrections must absorb. Traces without log-probs
+(``python -m eval serve``, float32, same weights) the differences are float noise (~1e-5); against a real vLLM they
+measure the train/inference mismatch that importance-sampling corrections must absorb. Traces without log-probs
 (retokenized) are skipped and counted.
 """
 

@@ -97,7 +97,7 @@ CHAT_TEMPLATE = r"""
             {%- set call = tool_call.function if tool_call.function is defined else tool_call -%}
             {%- if content or not loop.first -%}{{- '\n' -}}{%- endif -%}
             {{- '<tool_call>\n{"name": "' + call.name + '", "arguments": ' -}}
-            {#- A string is taken as JSON text already; eval.serve parses it into an object first, as vLLM does. -#}
+            {#- A string is taken as JSON text already; `eval serve` parses it into an object first, as vLLM does. -#}
             {{- call.arguments if call.arguments is string else (call.arguments | tojson) -}}
             {{- '}\n</tool_call>' -}}
         {%- endfor -%}
