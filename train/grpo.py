@@ -330,7 +330,7 @@ def accumulate(
     accelerator.backward(loss * accelerator.num_processes)
     old = logp if old_logp is None else old_logp
     _, parts = losses.grpo_token_loss(logp, old, ref_logp, mb.behav_logp, mb.adv, mb.weight, **options)  # metrics
-    stats.add_tokens(mb, logp, old, entropy, parts, cfg)
+    stats.add_tokens(mb, logp, old, entropy, parts, cfg.eps_low, cfg.eps_high, cfg.tis_cap)
     return float(loss.detach())
 
 
@@ -543,7 +543,7 @@ def main(cfg: Config) -> None:
             if progress.bad_steps >= cfg.max_bad_steps:
                 raise FloatingPointError(f"{progress.bad_steps} consecutive steps with a non-finite loss or gradient")
         if cfg.save_every and (k + 1) % cfg.save_every == 0 and k + 1 < len(schedule):
-            runtime.save_checkpoint(accelerator, policy, cfg, progress)
+            runtime.save_checkpoint(accelerator, policy, cfg.output, cfg, progress)
 
     # 7. The adapter, loadable by PEFT and vLLM
     runtime.save_adapter(accelerator, policy, cfg.output, cfg)

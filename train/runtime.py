@@ -25,7 +25,7 @@ from accelerate.utils import DistributedType
 from train.data import MicroBatch
 
 if TYPE_CHECKING:
-    from train.grpo import Config
+    from _typeshed import DataclassInstance  # any config dataclass: grpo.Config, sft.Config
 
 __all__ = [
     "MetricsLog",
@@ -70,18 +70,21 @@ class StepStats:
         old_logp: torch.Tensor,
         entropy: torch.Tensor,
         parts: dict[str, torch.Tensor],
-        cfg: Config,
+        eps_low: float,
+        eps_high: float,
+        tis_cap: float | None,
     ) -> None:
+        """GRPO's per-token metrics of one micro-batch; the clip bounds and TIS cap are the config's."""
         adv, ratio, captured = mb.adv, parts["ratio"].detach(), ~torch.isnan(mb.behav_logp)  # (N,) each
         self.add("policy/entropy", entropy)
         self.add("policy/approx_kl", (ratio - 1) - (logp - old_logp))  # k3 of pi_old vs pi_theta
-        self.add("policy/clip_frac_low", ((adv < 0) & (ratio < 1 - cfg.eps_low)).float())
-        self.add("policy/clip_frac_high", ((adv > 0) & (ratio > 1 + cfg.eps_high)).float())
+        self.add("policy/clip_frac_low", ((adv < 0) & (ratio < 1 - eps_low)).float())
+        self.add("policy/clip_frac_high", ((adv > 0) & (ratio > 1 + eps_high)).float())
         self.add("policy/kl_ref", parts["kl"])
         self.add("sampling/captured_frac", captured.float())
         self.add("sampling/is_weight", parts["is_weight"][captured], extremes=True)
-        if cfg.tis_cap is not None:
-            self.add("sampling/is_truncated_frac", (parts["is_weight"][captured] >= cfg.tis_cap).float())
+        if tis_cap is not None:
+            self.add("sampling/is_truncated_frac", (parts["is_weight"][captured] >= tis_cap).float())
         self.add("sampling/logp_diff", (old_logp - mb.behav_logp)[captured].abs(), extremes=True)
         self.add("perf/trained_tokens", torch.ones(()) * len(mb.sel))
 
@@ -161,14 +164,14 @@ class NoLog:
     def close(self) -> None: ...
 
 
-def config_yaml(cfg: Config) -> str:
+def config_yaml(cfg: DataclassInstance) -> str:
     def plain(v: Any) -> Any:
         return str(v) if isinstance(v, Path) else [plain(x) for x in v] if isinstance(v, tuple) else v
 
     return yaml.safe_dump({k: plain(v) for k, v in dataclasses.asdict(cfg).items()}, sort_keys=False)
 
 
-def save_adapter(accelerator: Accelerator, policy: torch.nn.Module, directory: Path, cfg: Config) -> None:
+def save_adapter(accelerator: Accelerator, policy: torch.nn.Module, directory: Path, cfg: DataclassInstance) -> None:
     """PEFT adapter directory + config.yaml. Every rank calls it (gathering FSDP/ZeRO-3 shards is collective)."""
     state = accelerator.get_state_dict(policy)
     if accelerator.is_main_process:
@@ -178,10 +181,12 @@ def save_adapter(accelerator: Accelerator, policy: torch.nn.Module, directory: P
     accelerator.wait_for_everyone()
 
 
-def save_checkpoint(accelerator: Accelerator, policy: torch.nn.Module, cfg: Config, progress: Progress) -> None:
+def save_checkpoint(
+    accelerator: Accelerator, policy: torch.nn.Module, output: Path, cfg: DataclassInstance, progress: Progress
+) -> None:
     """OUTPUT/checkpoint: accelerate state (adapter weights, optimizer, scheduler, RNG, Progress) + the adapter.
     Written beside and renamed into place, so an interruption never leaves half a checkpoint."""
-    tmp, final = cfg.output / ".checkpoint.tmp", cfg.output / "checkpoint"
+    tmp, final = output / ".checkpoint.tmp", output / "checkpoint"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()

@@ -343,7 +343,7 @@ def main(cfg: Config) -> None:
                 raise FloatingPointError(f"{bad_steps} consecutive steps with a non-finite loss or gradient")
 
     # 5. The adapter, loadable by PEFT, vLLM and grpo.py --adapter
-    runtime.save_adapter(accelerator, policy, cfg.output, cfg)  # type: ignore[arg-type]
+    runtime.save_adapter(accelerator, policy, cfg.output, cfg)
     log.close()
     print0(f"adapter written to {cfg.output}")
     accelerator.end_training()
