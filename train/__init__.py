@@ -9,6 +9,7 @@ sft.py is supervised fine-tuning on the same files (the NLL of the sampled token
 from its output.
 
 grpo.py is the algorithm, read top to bottom; losses.py (advantages, weights, truncation, the clipped objective),
-logprobs.py (chunked log-probs), data.py (reading, checking, packing) and runtime.py (metrics, checkpoints,
-saving) are what it calls; configs/ holds the Accelerate configs (CPU, one GPU, DDP, FSDP, DeepSpeed ZeRO-2/3).
+logprobs.py (chunked log-probs), data.py (reading, checking, packing), policy.py (the LoRA model, shared with
+sft.py) and runtime.py (command line, metrics, checkpoints, saving) are what it calls; configs/ holds the
+Accelerate configs (CPU, one GPU, DDP, FSDP, DeepSpeed ZeRO-2/3).
 """

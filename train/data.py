@@ -23,7 +23,7 @@ import polars as pl
 import torch
 
 from reconstruct import schema
-from train.losses import truncate
+from train.losses import Aggregation, truncate
 
 __all__ = [
     "DataError",
@@ -337,11 +337,21 @@ def families(traces: Sequence[Trace], budget: int) -> list[tuple[int, list[int]]
 
 
 def rank_micro_batches(
-    step_traces: Sequence[Trace], weights: np.ndarray, budget: int, rank: int, world: int, share_prefix: bool = False
+    step_traces: Sequence[Trace],
+    aggregate: Aggregation,
+    norm_tokens: int,
+    budget: int,
+    rank: int,
+    world: int,
+    share_prefix: bool = False,
 ) -> list[MicroBatch]:
     """This rank's micro-batches of one optimizer step (the same count on every rank): the step's traces packed
-    into ``budget``-token rows, dealt over ``world`` ranks; ``weights`` (M,) is each trace's per-token loss weight.
+    into ``budget``-token rows, dealt over ``world`` ranks. ``aggregate`` (a loss variant, losses.AGGREGATIONS)
+    weighs each trace's tokens from its session and trained-token count (``norm_tokens``: dr_grpo's constant).
     ``share_prefix`` packs families of traces that begin alike, each shared prefix once (see the module doc)."""
+    sessions = np.array([t.session for t in step_traces])  # (M,)
+    n_trained = np.array([len(t.trained) for t in step_traces])  # (M,)
+    weights = aggregate(sessions, n_trained, norm_tokens)  # (M,) per-token loss weight of each trace
     if share_prefix:
         fams = families(step_traces, budget)
         sizes = [p + sum(len(step_traces[i].tokens) - p for i in members) for p, members in fams]

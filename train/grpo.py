@@ -30,36 +30,29 @@ run, polar.md §4, or a deviation and why):
 7. Lengths. A trace over max_len tokens is cut to a causal prefix (whole prompt, response end cut); one
    whose prompt alone is too long is skipped. Nothing is trimmed on the left.
 Pure functions: train/losses.py (the maths above), train/logprobs.py (log-probs and the loss in vocabulary
-chunks: the (T, V) logits never exist), train/data.py (reading, checking, packing); plumbing: train/runtime.py.
+chunks: the (T, V) logits never exist), train/data.py (reading, checking, packing); the model: train/policy.py
+(shared with sft.py); plumbing: train/runtime.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
-import sys
 import time
-import warnings
 from collections import defaultdict
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
 
 from train import data, losses, runtime
 from train.data import DataError, MicroBatch, Trace
-from train.logprobs import TokenLoss, fused_token_loss, token_logprobs
-
-
-class TrainConfigError(ValueError):
-    """A training setting, or a combination of settings, that cannot work; the message says what to change."""
+from train.policy import check_policy_config, check_vocabulary, load_policy
+from train.runtime import TrainConfigError
 
 
 @dataclasses.dataclass
@@ -167,136 +160,24 @@ class Config:
     a demo or smoke run completes its loop whatever the rewards were."""
 
     def __post_init__(self) -> None:
-        positive = (
-            "save_every",
-            "groups_per_step",
-            "epochs",
-            "max_len",
-            "micro_batch_tokens",
-            "logprob_chunk",
-            "lora_r",
-            "lora_alpha",
-            "max_bad_steps",
-        )
-        for name in positive:
-            if getattr(self, name) < (0 if name == "save_every" else 1):
-                raise TrainConfigError(f"--{name.replace('_', '-')} must be >= {0 if name == 'save_every' else 1}")
+        check_policy_config(self)
+        if self.save_every < 0:
+            raise TrainConfigError("--save-every must be >= 0")
+        for name in ("groups_per_step", "epochs", "max_bad_steps"):
+            if getattr(self, name) < 1:
+                raise TrainConfigError(f"--{name.replace('_', '-')} must be >= 1")
         if self.max_steps is not None and self.max_steps < 1:
             raise TrainConfigError("--max-steps must be >= 1 (or None: all epochs)")
-        if self.max_len > self.micro_batch_tokens:
-            raise TrainConfigError(f"--max-len {self.max_len} must fit --micro-batch-tokens {self.micro_batch_tokens}")
         if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
             raise TrainConfigError("--eps-low must be in [0, 1) and --eps-high >= 0")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise TrainConfigError("--tis-cap must be > 0, or None to turn importance sampling off")
-        if self.kl_coef < 0 or self.temperature <= 0 or self.lr <= 0 or not 0 <= self.lora_dropout < 1:
-            raise TrainConfigError("--kl-coef must be >= 0, --temperature and --lr > 0, --lora-dropout in [0, 1)")
+        if self.kl_coef < 0 or self.temperature <= 0 or self.lr <= 0:
+            raise TrainConfigError("--kl-coef must be >= 0, --temperature and --lr > 0")
         if self.dr_grpo_tokens is not None and self.dr_grpo_tokens < 1:
             raise TrainConfigError("--dr-grpo-tokens must be >= 1")
-        if self.share_prefix and self.attn_implementation not in (None, "sdpa", "eager"):
-            raise TrainConfigError(
-                f"--share-prefix needs --attn-implementation sdpa or eager (a 4D attention mask), "
-                f"not {self.attn_implementation}"
-            )
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise TrainConfigError("--grad-clip must be > 0, or None")
-
-
-# ---- the model: a PEFT model behind one forward that returns per-token log-probs
-
-
-class Policy(torch.nn.Module):
-    """Decoder + LoRA, returning log-probs of the selected positions' next tokens, never the (T, V) logits.
-
-    Given ``token_loss`` it also returns the loss, computed with the log-probs chunk by chunk (logprobs.py).
-    Everything the loss uses runs inside this forward, so DDP, FSDP and DeepSpeed wrap and sync exactly it.
-    """
-
-    def __init__(self, peft_model: Any, cfg: Config) -> None:
-        super().__init__()
-        self.peft = peft_model
-        self.chunk, self.temperature = cfg.logprob_chunk, cfg.temperature
-        # FSDP wraps the layers the model says must not be split (its decoder layers).
-        self._no_split_modules = list(getattr(peft_model.get_base_model(), "_no_split_modules", None) or [])
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        sel: torch.Tensor,
-        targets: torch.Tensor,
-        family: torch.Tensor | None = None,
-        member: torch.Tensor | None = None,
-        reference: bool = False,
-        with_entropy: bool = False,
-        token_loss: TokenLoss | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``(logp, entropy, loss)`` of the ``sel`` positions' next tokens; loss only with ``token_loss``.
-        ``family``/``member``: a shared-prefix micro-batch (train/data.py), attended through its own mask."""
-        base = self.peft.get_base_model()
-        mask = None
-        if family is not None and member is not None:
-            mask = data.attention_mask(family, member, base.get_input_embeddings().weight.dtype)
-        lm_head = base.get_output_embeddings()
-        head = lm_head
-        if cap := getattr(base.config, "final_logit_softcapping", None):  # Gemma-style logit soft-capping
-            head = functools.partial(_softcapped, lm_head, cap)
-        opts = {"chunk": self.chunk, "temperature": self.temperature, "with_entropy": with_entropy}
-        with self.peft.disable_adapter() if reference else contextlib.nullcontext():
-            out = base.get_decoder()(
-                input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False
-            )
-            hidden = out.last_hidden_state[0, sel]  # (N, H)
-            if token_loss is None:
-                return *token_logprobs(hidden, targets, head, **opts), None
-            if not any(p.requires_grad for p in lm_head.parameters()):  # LoRA: the output layer is frozen
-                loss, logp, entropy = fused_token_loss(hidden, targets, head, token_loss, **opts)
-                return logp, entropy, loss
-            logp, entropy = token_logprobs(hidden, targets, head, **opts)  # a trained output layer: checkpointing
-            return logp.detach(), entropy, token_loss(logp, slice(None)).sum()
-
-
-def _softcapped(head: torch.nn.Module, cap: float, hidden: torch.Tensor) -> torch.Tensor:
-    return torch.tanh(head(hidden) / cap) * cap
-
-
-def load_policy(cfg: Config, mixed_precision: str) -> Policy:
-    """The base model (bf16 under bf16 mixed precision) with a fresh LoRA, or with --adapter made trainable."""
-    from peft import LoraConfig, PeftModel, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and mixed_precision == "bf16")
-    base = AutoModelForCausalLM.from_pretrained(
-        cfg.model, dtype=torch.bfloat16 if bf16 else torch.float32, attn_implementation=cfg.attn_implementation
-    )
-    base.config.use_cache = False
-    if cfg.gradient_checkpointing:
-        base.activation_checkpointing_enable({"use_reentrant": False})
-    with warnings.catch_warnings():
-        # peft reads `is_gradient_checkpointing`, which transformers 5 deprecates with a FutureWarning.
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-        if cfg.adapter is not None:
-            peft_model = PeftModel.from_pretrained(base, str(cfg.adapter), is_trainable=True)
-        else:
-            targets = list(cfg.lora_targets)
-            if targets == ["all-linear"]:  # resolved here to leaf names (q_proj, ...), the form vLLM expects
-                head = base.get_output_embeddings()
-                targets = sorted(
-                    {
-                        n.rsplit(".", 1)[-1]
-                        for n, m in base.get_decoder().named_modules()
-                        if isinstance(m, torch.nn.Linear) and m is not head
-                    }
-                )
-            lora = LoraConfig(
-                r=cfg.lora_r,
-                lora_alpha=cfg.lora_alpha,
-                lora_dropout=cfg.lora_dropout,
-                target_modules=targets,
-                task_type="CAUSAL_LM",
-            )
-            peft_model = get_peft_model(base, lora)
-    return Policy(peft_model, cfg)
 
 
 # ---- one micro-batch: forward, loss, backward (the bench times exactly this)
@@ -341,25 +222,22 @@ def rank_micro_batches(
     step_traces: list[Trace], cfg: Config, aggregate: losses.Aggregation, rank: int, world: int
 ) -> list[MicroBatch]:
     """This rank's micro-batches of one optimizer step (same count on every rank); ``aggregate`` gives the weights."""
-    sessions = np.array([t.session for t in step_traces])  # (M,)
-    n_trained = np.array([len(t.trained) for t in step_traces])  # (M,)
-    weight = aggregate(sessions, n_trained, cfg.dr_grpo_tokens or cfg.max_len)  # (M,) per-token weight of each trace
-    return data.rank_micro_batches(step_traces, weight, cfg.micro_batch_tokens, rank, world, cfg.share_prefix)
+    norm_tokens = cfg.dr_grpo_tokens or cfg.max_len
+    return data.rank_micro_batches(
+        step_traces, aggregate, norm_tokens, cfg.micro_batch_tokens, rank, world, cfg.share_prefix
+    )
 
 
 # ---- the run
 
 
 def main(cfg: Config) -> None:
-    accelerator = Accelerator(step_scheduler_with_optimizer=False)
-    print0, device = accelerator.print, accelerator.device
-    rank, world = accelerator.process_index, accelerator.num_processes
-    set_seed(cfg.seed)
     if cfg.resume is None and cfg.output.exists() and any(cfg.output.iterdir()):
         raise TrainConfigError(f"{cfg.output} exists and is not empty; pick a new --output, or --resume its checkpoint")
     if cfg.resume is not None and not (cfg.resume / "trainer_state.json").is_file():
         raise TrainConfigError(f"{cfg.resume} is not a checkpoint of grpo.py (no trainer_state.json)")
-    print0("\n".join(f"{k:>22} | {v}" for k, v in dataclasses.asdict(cfg).items()))
+    accelerator = runtime.start(cfg, cfg.seed)
+    print0, rank, world = accelerator.print, accelerator.process_index, accelerator.num_processes
 
     # 1. Trajectories -> advantages per session -> trainable traces (usable groups, causal truncation)
     rollout = data.load(cfg.trajectories)
@@ -393,9 +271,7 @@ def main(cfg: Config) -> None:
 
     # 2. Model: base + LoRA, wrapped so that one forward gives log-probs
     policy = load_policy(cfg, accelerator.mixed_precision)
-    vocab = policy.peft.get_base_model().get_input_embeddings().num_embeddings
-    if (top := max(int(t.tokens.max()) for t in traces)) >= vocab:
-        raise DataError(f"token id {top} is outside the model's vocabulary ({vocab}): wrong --model for this data?")
+    check_vocabulary(policy, traces)
 
     # 3. Plan: whole task groups -> optimizer steps -> packed micro-batches per rank; optimizer, schedule
     by_session: dict[int, list[Trace]] = defaultdict(list)
@@ -445,7 +321,7 @@ def main(cfg: Config) -> None:
     with torch.no_grad():
         for p in need_old:
             for j, mb in enumerate(micro_batches(p)):
-                mb = mb.to(device)
+                mb = mb.to(accelerator.device)
                 old[p, j] = policy(mb.input_ids, mb.position_ids, mb.sel, mb.targets, mb.family, mb.member)[
                     0
                 ].cpu()  # (N,)
@@ -471,17 +347,13 @@ def main(cfg: Config) -> None:
         else runtime.NoLog()
     )
     if progress.step == 0:
-        n_traces = len(rollout.trace_session)
         log.log(
             {
                 "step": 0,
                 "data/sessions": len(rollout.session_ids),
-                "data/traces": n_traces,
                 "data/groups": n_groups,
                 "reward/zero_std_frac": 1 - n_usable / n_groups,
-                "completions/truncated_frac": cut["truncated"] / n_traces,
-                **{f"data/dropped_sessions_{k}": v for k, v in rollout.dropped_sessions.items()},
-                **{f"data/skipped_traces_{k}": v for k, v in cut.items() if k != "truncated"},
+                **runtime.data_counts(rollout, cut),
             }
         )
     print0(
@@ -494,11 +366,8 @@ def main(cfg: Config) -> None:
     for k in range(progress.step, len(schedule)):
         p, t0, stats, loss = schedule[k], time.perf_counter(), runtime.StepStats(), 0.0
         mbs = micro_batches(p)
-        for j, mb in enumerate(mbs):
-            last = j == len(mbs) - 1
-            accelerator.sync_gradients = last  # DeepSpeed steps its engine at the boundary only
-            with contextlib.nullcontext() if last else accelerator.no_sync(policy):  # one all-reduce per step
-                loss += accumulate(accelerator, policy, mb.to(device), old.get((p, j)), cfg, importance, stats)
+        for j, mb in enumerate(runtime.micro_steps(accelerator, policy, mbs)):
+            loss += accumulate(accelerator, policy, mb, old.get((p, j)), cfg, importance, stats)
         loss, grad_norm, finite = runtime.clip_and_reduce(accelerator, trainable, cfg.grad_clip, loss)
         if finite:
             optimizer.step()
@@ -512,8 +381,6 @@ def main(cfg: Config) -> None:
         row = stats.finish(accelerator)
         sessions = plan[p]
         r = rollout.reward[sessions]  # (|B|,)
-        seconds = time.perf_counter() - t0
-        tokens = runtime.step_tokens(accelerator, mbs)
         row = {
             "step": k + 1,
             "epoch": k // len(plan),
@@ -528,9 +395,7 @@ def main(cfg: Config) -> None:
             "reward/max": float(r.max()),
             "reward/adv_abs_mean": float(np.abs(adv[sessions]).mean()),
             "reward/adv_mean": float(adv[sessions].mean()),
-            "perf/step_s": seconds,
-            "perf/tokens": tokens,
-            "perf/tokens_per_s": tokens / seconds,
+            **runtime.perf(accelerator, mbs, time.perf_counter() - t0),
         }
         log.log(row)
         print0(
@@ -565,17 +430,5 @@ def save_untrained(accelerator: Accelerator, cfg: Config, row: dict[str, Any]) -
     accelerator.end_training()
 
 
-# ---- command line
-
-
-def parse(argv: Sequence[str] | None = None) -> Config:
-    """tyro over Config; ``--config FILE.yaml`` supplies values first, so flags on the command line win."""
-    return runtime.parse_config(Config, argv, TrainConfigError)
-
-
 if __name__ == "__main__":
-    try:
-        main(parse())
-    except (DataError, TrainConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    runtime.run(main, Config)  # flags (after any --config YAML) -> Config -> main

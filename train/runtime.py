@@ -1,18 +1,20 @@
-"""The plumbing of train/grpo.py, kept out of the algorithm: step metrics, the metrics log, checkpoints,
-the adapter directory and the YAML form of the config.
+"""The plumbing of train/grpo.py and train/sft.py, kept out of the algorithms: the command line and the YAML form of
+the config, the start of a run, the micro-batches of a step, step metrics, the metrics log, checkpoints and the
+adapter directory.
 
 Only the main process writes; every function that gathers from several processes says so and is called by all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import shutil
 import sys
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -20,9 +22,9 @@ import torch
 import tyro
 import yaml
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, set_seed
 
-from train.data import MicroBatch
+from train.data import DataError, MicroBatch, Rollout
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance  # any config dataclass: grpo.Config, sft.Config
@@ -32,15 +34,24 @@ __all__ = [
     "NoLog",
     "Progress",
     "StepStats",
+    "TrainConfigError",
     "clip_and_reduce",
     "config_yaml",
+    "data_counts",
     "keep_trainable_weights",
+    "micro_steps",
     "parse_config",
+    "perf",
+    "run",
     "save_adapter",
     "save_checkpoint",
-    "step_tokens",
+    "start",
     "yaml_args",
 ]
+
+
+class TrainConfigError(ValueError):
+    """A training setting, or a combination of settings, that cannot work; the message says what to change."""
 
 
 class StepStats:
@@ -231,9 +242,9 @@ def yaml_args(path: Path, fields: set[str]) -> list[str]:
 C = TypeVar("C")
 
 
-def parse_config(cls: type[C], argv: Sequence[str] | None, error: type[Exception]) -> C:
+def parse_config(cls: type[C], argv: Sequence[str] | None = None) -> C:
     """tyro over the config dataclass ``cls``; ``--config FILE.yaml`` supplies values first, so flags on the
-    command line win. A YAML file that cannot be read, or that names unknown fields, raises ``error``."""
+    command line win. A YAML file that cannot be read, or that names unknown fields, raises TrainConfigError."""
     argv = list(sys.argv[1:] if argv is None else argv)
     path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
     if "--config" in argv[:-1]:
@@ -242,8 +253,49 @@ def parse_config(cls: type[C], argv: Sequence[str] | None, error: type[Exception
         fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
         prefix = yaml_args(Path(path), fields) if path not in (None, "None") else []
     except (OSError, ValueError) as e:
-        raise error(str(e)) from e
+        raise TrainConfigError(str(e)) from e
     return tyro.cli(cls, args=prefix + argv)
+
+
+def run(main: Callable[[C], None], cls: type[C]) -> None:
+    """A training script's command line: ``main`` on the config ``cls`` parsed from sys.argv. A setting or input
+    the user can fix prints one line and exits 2; anything else is a bug and keeps its traceback."""
+    try:
+        main(parse_config(cls))
+    except (DataError, TrainConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def start(cfg: DataclassInstance, seed: int) -> Accelerator:
+    """The run's Accelerator (the scheduler steps once per optimizer step, not per process), every RNG seeded, and
+    the config printed as a table by the main process."""
+    accelerator = Accelerator(step_scheduler_with_optimizer=False)
+    set_seed(seed)
+    accelerator.print("\n".join(f"{k:>22} | {v}" for k, v in dataclasses.asdict(cfg).items()))
+    return accelerator
+
+
+def data_counts(rollout: Rollout, cut: dict[str, int]) -> dict[str, float]:
+    """The step-0 metrics of what was read and cut (``data.make_traces``'s counts): traces, the truncated
+    fraction, sessions dropped on reading and traces skipped, by reason."""
+    n_traces = len(rollout.trace_session)
+    return {
+        "data/traces": n_traces,
+        "completions/truncated_frac": cut["truncated"] / n_traces,
+        **{f"data/dropped_sessions_{k}": v for k, v in rollout.dropped_sessions.items()},
+        **{f"data/skipped_traces_{k}": v for k, v in cut.items() if k != "truncated"},
+    }
+
+
+def micro_steps(accelerator: Accelerator, policy: torch.nn.Module, mbs: list[MicroBatch]) -> Iterator[MicroBatch]:
+    """The step's micro-batches on the device, each accumulated inside the loop body under the right gradient sync:
+    one all-reduce per step, at the last one, where DeepSpeed also steps its engine."""
+    for j, mb in enumerate(mbs):
+        last = j == len(mbs) - 1
+        accelerator.sync_gradients = last
+        with contextlib.nullcontext() if last else accelerator.no_sync(policy):
+            yield mb.to(accelerator.device)
 
 
 def clip_and_reduce(
@@ -259,7 +311,9 @@ def clip_and_reduce(
     return loss, grad_norm, math.isfinite(loss) and (math.isfinite(grad_norm) or deepspeed)
 
 
-def step_tokens(accelerator: Accelerator, mbs: list[MicroBatch]) -> int:
-    """Tokens the step's forward passes read on every rank together (padding passes of idle ranks left out)."""
+def perf(accelerator: Accelerator, mbs: list[MicroBatch], seconds: float) -> dict[str, float]:
+    """A step's speed (called by every rank): its seconds, and the tokens its forward passes read on every rank
+    together (padding passes of idle ranks left out) in all and per second."""
     mine = torch.tensor(sum(mb.input_ids.shape[1] for mb in mbs if len(mb.sel)), device=accelerator.device)
-    return int(accelerator.reduce(mine, "sum").item())
+    tokens = int(accelerator.reduce(mine, "sum").item())
+    return {"perf/step_s": seconds, "perf/tokens": tokens, "perf/tokens_per_s": tokens / seconds}

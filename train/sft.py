@@ -25,30 +25,27 @@ The objective, for an optimizer step over a set B of sessions:
    one whose prompt alone is too long is skipped. Nothing is trimmed on the left.
 5. Optimizer. AdamW; the learning rate warms up linearly for warmup_steps, then follows a cosine down to
    min_lr_frac * lr at the last step; the global gradient norm is clipped to grad_clip.
-Shared with grpo.py: the model (``load_policy``, ``Policy``: log-probs and loss in vocabulary chunks, so the
-(T, V) logits never exist), reading and packing (train/data.py), metrics and saving (train/runtime.py).
+Shared with grpo.py: the model (train/policy.py: log-probs and loss in vocabulary chunks, so the (T, V) logits
+never exist), reading and packing (train/data.py), the command line, metrics and saving (train/runtime.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import sys
 import time
 from collections import defaultdict
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
 
 from train import data, losses, runtime
 from train.data import DataError, MicroBatch, Trace
-from train.grpo import TrainConfigError, load_policy
+from train.policy import check_policy_config, check_vocabulary, load_policy
+from train.runtime import TrainConfigError
 
 
 @dataclasses.dataclass
@@ -126,39 +123,22 @@ class Config:
 
     @property
     def temperature(self) -> float:
-        """What grpo.Policy divides the logits by: SFT fits the model's own distribution."""
+        """What policy.Policy divides the logits by: SFT fits the model's own distribution."""
         return 1.0
 
     def __post_init__(self) -> None:
         if not self.trajectories:
             raise TrainConfigError("--trajectories needs at least one Parquet file")
-        for name in (
-            "sessions_per_step",
-            "epochs",
-            "max_len",
-            "micro_batch_tokens",
-            "logprob_chunk",
-            "lora_r",
-            "lora_alpha",
-            "max_bad_steps",
-        ):
+        check_policy_config(self)
+        for name in ("sessions_per_step", "epochs", "max_bad_steps"):
             if getattr(self, name) < 1:
                 raise TrainConfigError(f"--{name.replace('_', '-')} must be >= 1")
         if self.max_steps is not None and self.max_steps < 1:
             raise TrainConfigError("--max-steps must be >= 1 (or None: all epochs)")
-        if self.max_len > self.micro_batch_tokens:
-            raise TrainConfigError(f"--max-len {self.max_len} must fit --micro-batch-tokens {self.micro_batch_tokens}")
-        if self.share_prefix and self.attn_implementation not in (None, "sdpa", "eager"):
-            raise TrainConfigError(
-                f"--share-prefix needs --attn-implementation sdpa or eager (a 4D attention mask), "
-                f"not {self.attn_implementation}"
-            )
         if self.min_reward is not None and not math.isfinite(self.min_reward):
             raise TrainConfigError(f"--min-reward must be finite, or None to keep every session; got {self.min_reward}")
         if self.lr <= 0 or self.warmup_steps < 0 or self.weight_decay < 0 or not 0 <= self.min_lr_frac <= 1:
             raise TrainConfigError("--lr must be > 0, --warmup-steps and --weight-decay >= 0, --min-lr-frac in [0, 1]")
-        if not 0 <= self.lora_dropout < 1:
-            raise TrainConfigError("--lora-dropout must be in [0, 1)")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise TrainConfigError("--grad-clip must be > 0, or None")
 
@@ -190,10 +170,9 @@ def rank_micro_batches(
     step_traces: list[Trace], aggregate: losses.Aggregation, cfg: Config, rank: int, world: int
 ) -> list[MicroBatch]:
     """This rank's micro-batches of one optimizer step (same count on every rank), as grpo.py packs them."""
-    sessions = np.array([t.session for t in step_traces])  # (M,)
-    n_trained = np.array([len(t.trained) for t in step_traces])  # (M,)
-    weight = aggregate(sessions, n_trained, cfg.max_len)  # (M,) per-token weight: sums to 1 over the step
-    return data.rank_micro_batches(step_traces, weight, cfg.micro_batch_tokens, rank, world, cfg.share_prefix)
+    return data.rank_micro_batches(
+        step_traces, aggregate, cfg.max_len, cfg.micro_batch_tokens, rank, world, cfg.share_prefix
+    )  # the per-token weights sum to 1 over the step
 
 
 def accumulate(accelerator: Accelerator, policy: torch.nn.Module, mb: MicroBatch, stats: runtime.StepStats) -> float:
@@ -225,13 +204,10 @@ def accumulate(accelerator: Accelerator, policy: torch.nn.Module, mb: MicroBatch
 
 
 def main(cfg: Config) -> None:
-    accelerator = Accelerator(step_scheduler_with_optimizer=False)
-    print0, device = accelerator.print, accelerator.device
-    rank, world = accelerator.process_index, accelerator.num_processes
-    set_seed(cfg.seed)
     if cfg.output.exists() and any(cfg.output.iterdir()):
         raise TrainConfigError(f"{cfg.output} exists and is not empty; pick a new --output")
-    print0("\n".join(f"{k:>22} | {v}" for k, v in dataclasses.asdict(cfg).items()))
+    accelerator = runtime.start(cfg, cfg.seed)
+    print0, rank, world = accelerator.print, accelerator.process_index, accelerator.num_processes
 
     # 1. Trajectories -> kept sessions -> traces cut to max_len
     rollout = data.load(cfg.trajectories, require_reward=cfg.min_reward is not None, require_task=False)
@@ -249,10 +225,8 @@ def main(cfg: Config) -> None:
         raise DataError(f"{', '.join(map(str, cfg.trajectories))}: no trace with a taught token to train: {cut}")
 
     # 2. Model: base + LoRA (fresh or --adapter), wrapped so that one forward gives log-probs and the loss
-    policy = load_policy(cfg, accelerator.mixed_precision)  # type: ignore[arg-type]  # reads the shared fields
-    vocab = policy.peft.get_base_model().get_input_embeddings().num_embeddings
-    if (top := max(int(t.tokens.max()) for t in traces)) >= vocab:
-        raise DataError(f"token id {top} is outside the model's vocabulary ({vocab}): wrong --model for this data?")
+    policy = load_policy(cfg, accelerator.mixed_precision)
+    check_vocabulary(policy, traces)
 
     # 3. Plan: sessions (reshuffled per epoch) -> optimizer steps -> packed micro-batches per rank; optimizer
     by_session: dict[int, list[Trace]] = defaultdict(list)
@@ -278,17 +252,14 @@ def main(cfg: Config) -> None:
         cfg.output.mkdir(parents=True, exist_ok=True)
         (cfg.output / "config.yaml").write_text(runtime.config_yaml(cfg))
     log = runtime.MetricsLog(cfg.output, None) if accelerator.is_main_process else runtime.NoLog()
-    n_traces, n_taught = len(rollout.trace_session), sum(len(t.trained) for t in traces)
+    n_taught = sum(len(t.trained) for t in traces)
     log.log(
         {
             "step": 0,
             "data/sessions": n_sessions,
             "data/kept_sessions": len(by_session),
-            "data/traces": n_traces,
             "data/taught_tokens": n_taught,
-            "completions/truncated_frac": cut["truncated"] / n_traces,
-            **{f"data/dropped_sessions_{k}": v for k, v in rollout.dropped_sessions.items()},
-            **{f"data/skipped_traces_{k}": v for k, v in cut.items() if k != "truncated"},
+            **runtime.data_counts(rollout, cut),
         }
     )
     print0(
@@ -303,11 +274,8 @@ def main(cfg: Config) -> None:
     for k, (epoch, sessions) in enumerate(plan):
         t0, stats, loss = time.perf_counter(), runtime.StepStats(), 0.0
         mbs = rank_micro_batches([t for s in sessions for t in by_session[s]], aggregate, cfg, rank, world)
-        for j, mb in enumerate(mbs):
-            last = j == len(mbs) - 1
-            accelerator.sync_gradients = last  # DeepSpeed steps its engine at the boundary only
-            with contextlib.nullcontext() if last else accelerator.no_sync(policy):  # one all-reduce per step
-                loss += accumulate(accelerator, policy, mb.to(device), stats)
+        for mb in runtime.micro_steps(accelerator, policy, mbs):
+            loss += accumulate(accelerator, policy, mb, stats)
         loss, grad_norm, finite = runtime.clip_and_reduce(accelerator, trainable, cfg.grad_clip, loss)
         lr = optimizer.param_groups[0]["lr"]
         if finite:
@@ -318,8 +286,6 @@ def main(cfg: Config) -> None:
         scheduler.step()  # the schedule follows the step count, skipped steps included
         optimizer.zero_grad(set_to_none=True)
 
-        seconds = time.perf_counter() - t0
-        tokens = runtime.step_tokens(accelerator, mbs)
         row = {
             "step": k + 1,
             "epoch": epoch,
@@ -328,9 +294,7 @@ def main(cfg: Config) -> None:
             "optim/grad_norm": grad_norm,
             "optim/lr": lr,
             "optim/skipped": int(bad_steps > 0),
-            "perf/step_s": seconds,
-            "perf/tokens": tokens,
-            "perf/tokens_per_s": tokens / seconds,
+            **runtime.perf(accelerator, mbs, time.perf_counter() - t0),
         }
         log.log(row)
         print0(
@@ -349,17 +313,5 @@ def main(cfg: Config) -> None:
     accelerator.end_training()
 
 
-# ---- command line
-
-
-def parse(argv: Sequence[str] | None = None) -> Config:
-    """tyro over Config; ``--config FILE.yaml`` supplies values first, so flags on the command line win."""
-    return runtime.parse_config(Config, argv, TrainConfigError)
-
-
 if __name__ == "__main__":
-    try:
-        main(parse())
-    except (DataError, TrainConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    runtime.run(main, Config)  # flags (after any --config YAML) -> Config -> main

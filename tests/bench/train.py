@@ -93,6 +93,7 @@ def step_benchmark(cfg: Config, console: Console) -> dict[str, object]:
     from accelerate import Accelerator
 
     from train import data, grpo, losses, runtime
+    from train.policy import load_policy
 
     torch.set_num_threads(cfg.threads)
     rounds = 3 if cfg.quick else 5
@@ -109,7 +110,7 @@ def step_benchmark(cfg: Config, console: Console) -> dict[str, object]:
             lr=1e-5,
         )
         kl_cfg = dataclasses.replace(gcfg, kl_coef=0.01)
-        policy = grpo.load_policy(gcfg, "no")
+        policy = load_policy(gcfg, "no")
         rng = np.random.default_rng(0)
         traces = [
             data.Trace(

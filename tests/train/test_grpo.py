@@ -16,6 +16,7 @@ from accelerate import Accelerator
 
 from tests.train.helpers import groups, trace, write
 from train import data, grpo, losses, runtime
+from train.policy import load_policy
 
 PEFT_WARNING = "ignore:.*is_gradient_checkpointing:FutureWarning"  # peft reads a property transformers 5 deprecates
 
@@ -55,14 +56,15 @@ def rows_of(path) -> list[dict]:
      ({"lora_dropout": 1.0}, "lora-dropout"), ({"grad_clip": 0.0}, "grad-clip")],
 )  # fmt: skip
 def test_config_refuses_settings_that_cannot_work(tmp_path, override, message):
-    with pytest.raises(grpo.TrainConfigError, match=message):
+    with pytest.raises(runtime.TrainConfigError, match=message):
         make_config(tmp_path, "m", None, **override)
 
 
 def test_yaml_config_then_flags(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("lr: 0.5\nlora_targets: [q_proj, v_proj]\ngradient_checkpointing: false\ntis_cap: null\n")
-    cfg = grpo.parse(
+    cfg = runtime.parse_config(
+        grpo.Config,
         [
             "--config",
             str(path),
@@ -75,7 +77,7 @@ def test_yaml_config_then_flags(tmp_path):
             "o",
             "--lr",
             "0.25",
-        ]
+        ],
     )
     assert (cfg.lr, cfg.lora_targets, cfg.gradient_checkpointing) == (0.25, ("q_proj", "v_proj"), False)
     assert cfg.tis_cap is None
@@ -83,10 +85,10 @@ def test_yaml_config_then_flags(tmp_path):
     # a written config.yaml reproduces the run
     saved = tmp_path / "config.yaml"
     saved.write_text(runtime.config_yaml(cfg))
-    assert grpo.parse(["--config", str(saved)]) == dataclasses.replace(cfg, config=saved)
+    assert runtime.parse_config(grpo.Config, ["--config", str(saved)]) == dataclasses.replace(cfg, config=saved)
     path.write_text("learning_rate: 1\n")
-    with pytest.raises(grpo.TrainConfigError, match="learning_rate"):
-        grpo.parse(["--config", str(path)])
+    with pytest.raises(runtime.TrainConfigError, match="learning_rate"):
+        runtime.parse_config(grpo.Config, ["--config", str(path)])
 
 
 # ---- the model path: packing, chunking, the disabled adapter as reference
@@ -95,7 +97,7 @@ def test_yaml_config_then_flags(tmp_path):
 @pytest.mark.parametrize("share_prefix", [False, True])
 def test_packed_micro_batch_log_probs_equal_each_trace_on_its_own(tmp_path, tiny_model_dir, share_prefix):
     cfg = make_config(tmp_path, tiny_model_dir, None, logprob_chunk=5, share_prefix=share_prefix)
-    policy = grpo.load_policy(cfg, "no")
+    policy = load_policy(cfg, "no")
     for name, p in policy.named_parameters():  # a non-zero adapter, so that disabling it matters
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.5)
@@ -178,7 +180,7 @@ def test_step_loss_equals_a_hand_written_reference(tmp_path, tiny_model_dir, los
         dr_grpo_tokens=7,
         share_prefix=share_prefix,
     )
-    policy = grpo.load_policy(cfg, "no")
+    policy = load_policy(cfg, "no")
     for name, p in policy.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.3)
@@ -367,7 +369,7 @@ def test_resume_gives_the_same_adapter_as_an_uninterrupted_run(tmp_path, tiny_mo
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-6)
     assert [r["step"] for r in rows_of(broken.output / "metrics.jsonl")] == [0, 1, 2, 3, 4, 5]
-    with pytest.raises(grpo.TrainConfigError, match="same settings"):
+    with pytest.raises(runtime.TrainConfigError, match="same settings"):
         grpo.main(dataclasses.replace(broken, resume=checkpoint, seed=1, output=tmp_path / "other"))
 
 
@@ -401,9 +403,9 @@ def test_bad_input_and_outputs_are_refused(tmp_path, tiny_model_dir):
         grpo.main(cfg)
     cfg.output.mkdir()
     (cfg.output / "adapter_model.safetensors").write_text("x")
-    with pytest.raises(grpo.TrainConfigError, match="not empty"):
+    with pytest.raises(runtime.TrainConfigError, match="not empty"):
         grpo.main(cfg)
-    with pytest.raises(grpo.TrainConfigError, match="not a checkpoint"):
+    with pytest.raises(runtime.TrainConfigError, match="not a checkpoint"):
         grpo.main(dataclasses.replace(cfg, resume=tmp_path))
 
 

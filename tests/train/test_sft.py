@@ -21,6 +21,7 @@ from accelerate import Accelerator
 from tests import http
 from tests.train.helpers import groups, trace, write
 from train import data, grpo, runtime, sft
+from train.policy import load_policy
 
 PEFT_WARNING = "ignore:.*is_gradient_checkpointing:FutureWarning"  # peft reads a property transformers 5 deprecates
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,7 +92,7 @@ def test_step_loss_is_the_nll_of_taught_tokens_by_hand(tmp_path, tiny_model_dir,
         loss_agg=loss_agg,
         share_prefix=share_prefix,
     )
-    policy = grpo.load_policy(cfg, "no")
+    policy = load_policy(cfg, "no")
     for name, p in policy.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.3)
@@ -120,7 +121,7 @@ def test_step_loss_is_the_nll_of_taught_tokens_by_hand(tmp_path, tiny_model_dir,
 
 def test_tokens_after_the_last_taught_one_change_neither_loss_nor_gradient(tmp_path, tiny_model_dir):
     cfg = make_config(tmp_path, tiny_model_dir, None)
-    policy = grpo.load_policy(cfg, "no")
+    policy = load_policy(cfg, "no")
 
     def loss_and_grads(response: list[int]) -> tuple[float, list[torch.Tensor]]:
         t = data.Trace(
@@ -324,7 +325,7 @@ def test_accelerate_launch(tmp_path, tiny_model_dir):
     assert "7 sessions, 4 kept (reward >= 0.5)" in run.stdout and "step 2/2  loss" in run.stdout
     assert [r["step"] for r in rows_of(tmp_path / "out" / "metrics.jsonl")] == [0, 1, 2]
     assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
-    assert sft.parse(["--config", str(tmp_path / "out" / "config.yaml")]).min_reward == 0.5
+    assert runtime.parse_config(sft.Config, ["--config", str(tmp_path / "out" / "config.yaml")]).min_reward == 0.5
 
 
 # ---- configuration and bad input
@@ -338,25 +339,26 @@ def test_accelerate_launch(tmp_path, tiny_model_dir):
      ({"trajectories": ()}, "--trajectories")],
 )  # fmt: skip
 def test_config_refuses_settings_that_cannot_work(tmp_path, override, message):
-    with pytest.raises(grpo.TrainConfigError, match=message):
+    with pytest.raises(runtime.TrainConfigError, match=message):
         make_config(tmp_path, "m", None, **override)
 
 
 def test_yaml_config_then_flags(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("lr: 0.5\nmin_reward: 1\nloss_agg: session_mean\nlora_targets: [q_proj, v_proj]\n")
-    cfg = sft.parse(
-        ["--config", str(path), "--trajectories", "a.parquet", "--model", "m", "--output", "o", "--lr", "0.25"]
+    cfg = runtime.parse_config(
+        sft.Config,
+        ["--config", str(path), "--trajectories", "a.parquet", "--model", "m", "--output", "o", "--lr", "0.25"],
     )
     assert (cfg.lr, cfg.min_reward, cfg.loss_agg, cfg.lora_targets) == (0.25, 1.0, "session_mean", ("q_proj", "v_proj"))
     saved = tmp_path / "config.yaml"  # a written config.yaml reproduces the run
     saved.write_text(runtime.config_yaml(cfg))
-    assert sft.parse(["--config", str(saved)]) == dataclasses.replace(cfg, config=saved)
+    assert runtime.parse_config(sft.Config, ["--config", str(saved)]) == dataclasses.replace(cfg, config=saved)
     path.write_text("sessions_per_stp: 4\n")
-    with pytest.raises(grpo.TrainConfigError, match="sessions_per_stp"):
-        sft.parse(["--config", str(path)])
-    with pytest.raises(grpo.TrainConfigError, match=r"missing\.yaml"):
-        sft.parse(["--config", str(tmp_path / "missing.yaml")])
+    with pytest.raises(runtime.TrainConfigError, match="sessions_per_stp"):
+        runtime.parse_config(sft.Config, ["--config", str(path)])
+    with pytest.raises(runtime.TrainConfigError, match=r"missing\.yaml"):
+        runtime.parse_config(sft.Config, ["--config", str(tmp_path / "missing.yaml")])
 
 
 def test_lr_warms_up_then_decays_to_its_floor():
@@ -372,7 +374,7 @@ def test_bad_input_and_outputs_are_refused(tmp_path, tiny_model_dir):
         sft.main(cfg)
     cfg.output.mkdir()
     (cfg.output / "adapter_model.safetensors").write_text("x")
-    with pytest.raises(grpo.TrainConfigError, match="not empty"):
+    with pytest.raises(runtime.TrainConfigError, match="not empty"):
         sft.main(cfg)
     only_context = make_config(tmp_path / "b", tiny_model_dir, [trace(mask=[0, 0, 0])])
     with pytest.raises(data.DataError, match=r"no trace with a taught token.*'nothing_trained': 1"):

@@ -1,0 +1,174 @@
+"""The model both training scripts train: a base model with a LoRA adapter behind one forward that returns
+per-token log-probs (and the loss), never the (T, V) logits; the settings it reads, checked in one place.
+
+train/grpo.py and train/sft.py each declare these settings in their own ``Config`` (with their own defaults and
+reasons); ``PolicyConfig`` is the part of either that ``load_policy``, ``Policy`` and the packing read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import torch
+
+from train import data
+from train.data import DataError, Trace
+from train.logprobs import TokenLoss, fused_token_loss, token_logprobs
+from train.runtime import TrainConfigError
+
+__all__ = ["Policy", "PolicyConfig", "check_policy_config", "check_vocabulary", "load_policy"]
+
+
+class PolicyConfig(Protocol):
+    """The model, LoRA, length and memory settings of a training config (grpo.Config, sft.Config)."""
+
+    @property
+    def model(self) -> str: ...
+    @property
+    def adapter(self) -> Path | None: ...
+    @property
+    def dtype(self) -> Literal["auto", "float32", "bfloat16"]: ...
+    @property
+    def attn_implementation(self) -> str | None: ...
+    @property
+    def gradient_checkpointing(self) -> bool: ...
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def max_len(self) -> int: ...
+    @property
+    def micro_batch_tokens(self) -> int: ...
+    @property
+    def share_prefix(self) -> bool: ...
+    @property
+    def logprob_chunk(self) -> int: ...
+    @property
+    def lora_r(self) -> int: ...
+    @property
+    def lora_alpha(self) -> int: ...
+    @property
+    def lora_dropout(self) -> float: ...
+    @property
+    def lora_targets(self) -> tuple[str, ...]: ...
+
+
+def check_policy_config(cfg: PolicyConfig) -> None:
+    """The rules these settings keep whichever script declares them (called from each ``__post_init__``)."""
+    for name in ("max_len", "micro_batch_tokens", "logprob_chunk", "lora_r", "lora_alpha"):
+        if getattr(cfg, name) < 1:
+            raise TrainConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    if cfg.max_len > cfg.micro_batch_tokens:
+        raise TrainConfigError(f"--max-len {cfg.max_len} must fit --micro-batch-tokens {cfg.micro_batch_tokens}")
+    if cfg.share_prefix and cfg.attn_implementation not in (None, "sdpa", "eager"):
+        raise TrainConfigError(
+            f"--share-prefix needs --attn-implementation sdpa or eager (a 4D attention mask), "
+            f"not {cfg.attn_implementation}"
+        )
+    if not 0 <= cfg.lora_dropout < 1:
+        raise TrainConfigError("--lora-dropout must be in [0, 1)")
+
+
+class Policy(torch.nn.Module):
+    """Decoder + LoRA, returning log-probs of the selected positions' next tokens, never the (T, V) logits.
+
+    Given ``token_loss`` it also returns the loss, computed with the log-probs chunk by chunk (logprobs.py).
+    Everything the loss uses runs inside this forward, so DDP, FSDP and DeepSpeed wrap and sync exactly it.
+    """
+
+    def __init__(self, peft_model: Any, cfg: PolicyConfig) -> None:
+        super().__init__()
+        self.peft = peft_model
+        self.chunk, self.temperature = cfg.logprob_chunk, cfg.temperature
+        # FSDP wraps the layers the model says must not be split (its decoder layers).
+        self._no_split_modules = list(getattr(peft_model.get_base_model(), "_no_split_modules", None) or [])
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        sel: torch.Tensor,
+        targets: torch.Tensor,
+        family: torch.Tensor | None = None,
+        member: torch.Tensor | None = None,
+        reference: bool = False,
+        with_entropy: bool = False,
+        token_loss: TokenLoss | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(logp, entropy, loss)`` of the ``sel`` positions' next tokens; loss only with ``token_loss``.
+        ``family``/``member``: a shared-prefix micro-batch (train/data.py), attended through its own mask."""
+        base = self.peft.get_base_model()
+        mask = None
+        if family is not None and member is not None:
+            mask = data.attention_mask(family, member, base.get_input_embeddings().weight.dtype)
+        lm_head = base.get_output_embeddings()
+        head = lm_head
+        if cap := getattr(base.config, "final_logit_softcapping", None):  # Gemma-style logit soft-capping
+            head = functools.partial(_softcapped, lm_head, cap)
+        opts = {"chunk": self.chunk, "temperature": self.temperature, "with_entropy": with_entropy}
+        with self.peft.disable_adapter() if reference else contextlib.nullcontext():
+            out = base.get_decoder()(
+                input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False
+            )
+            hidden = out.last_hidden_state[0, sel]  # (N, H)
+            if token_loss is None:
+                return *token_logprobs(hidden, targets, head, **opts), None
+            if not any(p.requires_grad for p in lm_head.parameters()):  # LoRA: the output layer is frozen
+                loss, logp, entropy = fused_token_loss(hidden, targets, head, token_loss, **opts)
+                return logp, entropy, loss
+            logp, entropy = token_logprobs(hidden, targets, head, **opts)  # a trained output layer: checkpointing
+            return logp.detach(), entropy, token_loss(logp, slice(None)).sum()
+
+
+def _softcapped(head: torch.nn.Module, cap: float, hidden: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(head(hidden) / cap) * cap
+
+
+def load_policy(cfg: PolicyConfig, mixed_precision: str) -> Policy:
+    """The base model (bf16 under bf16 mixed precision) with a fresh LoRA, or with --adapter made trainable."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and mixed_precision == "bf16")
+    base = AutoModelForCausalLM.from_pretrained(
+        cfg.model, dtype=torch.bfloat16 if bf16 else torch.float32, attn_implementation=cfg.attn_implementation
+    )
+    base.config.use_cache = False
+    if cfg.gradient_checkpointing:
+        base.activation_checkpointing_enable({"use_reentrant": False})
+    with warnings.catch_warnings():
+        # peft reads `is_gradient_checkpointing`, which transformers 5 deprecates with a FutureWarning.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        if cfg.adapter is not None:
+            peft_model = PeftModel.from_pretrained(base, str(cfg.adapter), is_trainable=True)
+        else:
+            targets = list(cfg.lora_targets)
+            if targets == ["all-linear"]:  # resolved here to leaf names (q_proj, ...), the form vLLM expects
+                head = base.get_output_embeddings()
+                targets = sorted(
+                    {
+                        n.rsplit(".", 1)[-1]
+                        for n, m in base.get_decoder().named_modules()
+                        if isinstance(m, torch.nn.Linear) and m is not head
+                    }
+                )
+            lora = LoraConfig(
+                r=cfg.lora_r,
+                lora_alpha=cfg.lora_alpha,
+                lora_dropout=cfg.lora_dropout,
+                target_modules=targets,
+                task_type="CAUSAL_LM",
+            )
+            peft_model = get_peft_model(base, lora)
+    return Policy(peft_model, cfg)
+
+
+def check_vocabulary(policy: Policy, traces: Sequence[Trace]) -> None:
+    """Refuse token ids the model has no embedding for: the data was made with another tokenizer."""
+    vocab = policy.peft.get_base_model().get_input_embeddings().num_embeddings
+    if (top := max(int(t.tokens.max()) for t in traces)) >= vocab:
+        raise DataError(f"token id {top} is outside the model's vocabulary ({vocab}): wrong --model for this data?")
