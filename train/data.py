@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -89,9 +90,10 @@ class MicroBatch:
     member: torch.Tensor | None = None  # (T,) its trace within the family; -1 on the family's shared prefix
 
     def to(self, device: torch.device) -> MicroBatch:
-        return MicroBatch(
-            **{f.name: None if (v := getattr(self, f.name)) is None else v.to(device) for f in dataclasses.fields(self)}
-        )
+        moved: dict[str, Any] = {
+            f.name: None if (v := getattr(self, f.name)) is None else v.to(device) for f in dataclasses.fields(self)
+        }
+        return dataclasses.replace(self, **moved)
 
 
 def attention_mask(family: torch.Tensor, member: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -108,7 +110,7 @@ def attention_mask(family: torch.Tensor, member: torch.Tensor, dtype: torch.dtyp
 def _lists(df: pl.DataFrame, column: str, dtype: type) -> list[np.ndarray]:
     """Split a list column into one NumPy array per row without going through Python lists."""
     lengths = df[column].list.len().fill_null(0).to_numpy()  # (rows,)
-    flat = df[column].explode().drop_nulls().to_numpy().astype(dtype)  # (sum lengths,)
+    flat: np.ndarray = df[column].explode().drop_nulls().to_numpy().astype(dtype)  # (sum lengths,)
     return np.split(flat, np.cumsum(lengths)[:-1])
 
 
@@ -374,7 +376,7 @@ def rank_micro_batches(
     ]
 
 
-def collate(traces: Sequence[Trace], weights: Sequence[float]) -> MicroBatch:
+def collate(traces: Sequence[Trace], weights: Sequence[float] | np.ndarray) -> MicroBatch:
     """Pack traces into one row; ``weights[i]`` is the per-token loss weight of ``traces[i]``.
 
     No traces gives a 2-token pass with nothing to train (a padding pass of a rank with less work).

@@ -387,7 +387,7 @@ def main(cfg: Config) -> None:
             "loss/total": loss,
             **row,
             "optim/grad_norm": grad_norm,
-            "optim/lr": scheduler.get_last_lr()[0],
+            "optim/lr": float(scheduler.get_last_lr()[0]),
             "optim/skipped": int(progress.bad_steps > 0),
             "reward/mean": float(r.mean()),
             "reward/std": float(r.std()),

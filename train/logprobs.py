@@ -16,6 +16,7 @@ time, so memory grows with tokens (N x H hidden states), not with tokens x vocab
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -81,7 +82,16 @@ class _FusedTokenLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, targets, head, token_loss, chunk, temperature, with_entropy):  # type: ignore[override]
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        targets: torch.Tensor,
+        head: Head,
+        token_loss: TokenLoss,
+        chunk: int,
+        temperature: float,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         grad_hidden = torch.zeros_like(hidden)  # (N, H)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         logps, entropies = [], []
@@ -113,7 +123,9 @@ class _FusedTokenLoss(torch.autograd.Function):
         return total, logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_total, _grad_logp, _grad_entropy):  # type: ignore[override]
+    def backward(
+        ctx: Any, grad_total: torch.Tensor, _grad_logp: torch.Tensor, _grad_entropy: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
         (grad_hidden,) = ctx.saved_tensors
         return grad_hidden * grad_total, None, None, None, None, None, None
 
@@ -137,7 +149,10 @@ def fused_token_loss(
     if hidden.shape[0] == 0:  # a padding pass: zero, still attached to the graph so DDP sees every parameter
         z = hidden.sum(-1).float()
         return z.sum(), z.detach(), z.detach()
-    return _FusedTokenLoss.apply(hidden, targets, head, token_loss, chunk, temperature, with_entropy)
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = _FusedTokenLoss.apply(  # type: ignore[no-untyped-call]
+        hidden, targets, head, token_loss, chunk, temperature, with_entropy
+    )
+    return out
 
 
 def full_logits_logprobs(

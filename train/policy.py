@@ -12,7 +12,7 @@ import functools
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypedDict
 
 import torch
 
@@ -73,6 +73,12 @@ def check_policy_config(cfg: PolicyConfig) -> None:
         raise TrainConfigError("--lora-dropout must be in [0, 1)")
 
 
+class _Chunking(TypedDict):
+    chunk: int
+    temperature: float
+    with_entropy: bool
+
+
 class Policy(torch.nn.Module):
     """Decoder + LoRA, returning log-probs of the selected positions' next tokens, never the (T, V) logits.
 
@@ -109,7 +115,7 @@ class Policy(torch.nn.Module):
         head = lm_head
         if cap := getattr(base.config, "final_logit_softcapping", None):  # Gemma-style logit soft-capping
             head = functools.partial(_softcapped, lm_head, cap)
-        opts = {"chunk": self.chunk, "temperature": self.temperature, "with_entropy": with_entropy}
+        opts = _Chunking(chunk=self.chunk, temperature=self.temperature, with_entropy=with_entropy)
         with self.peft.disable_adapter() if reference else contextlib.nullcontext():
             out = base.get_decoder()(
                 input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False
@@ -148,11 +154,11 @@ def load_policy(cfg: PolicyConfig, mixed_precision: str) -> Policy:
         else:
             targets = list(cfg.lora_targets)
             if targets == ["all-linear"]:  # resolved here to leaf names (q_proj, ...), the form vLLM expects
-                head = base.get_output_embeddings()
+                head = base.get_output_embeddings()  # type: ignore[no-untyped-call]
                 targets = sorted(
                     {
                         n.rsplit(".", 1)[-1]
-                        for n, m in base.get_decoder().named_modules()
+                        for n, m in base.get_decoder().named_modules()  # type: ignore[no-untyped-call]
                         if isinstance(m, torch.nn.Linear) and m is not head
                     }
                 )

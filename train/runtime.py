@@ -179,7 +179,8 @@ def config_yaml(cfg: DataclassInstance) -> str:
     def plain(v: Any) -> Any:
         return str(v) if isinstance(v, Path) else [plain(x) for x in v] if isinstance(v, tuple) else v
 
-    return yaml.safe_dump({k: plain(v) for k, v in dataclasses.asdict(cfg).items()}, sort_keys=False)
+    text: str = yaml.safe_dump({k: plain(v) for k, v in dataclasses.asdict(cfg).items()}, sort_keys=False)
+    return text
 
 
 def save_adapter(accelerator: Accelerator, policy: torch.nn.Module, directory: Path, cfg: DataclassInstance) -> None:
