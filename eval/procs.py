@@ -24,7 +24,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import psutil
 
@@ -93,7 +93,7 @@ def check_proxy(url: str, *, transparent: bool = False, timeout: float = 10.0) -
     return health
 
 
-def stop_tree(proc: subprocess.Popen, *, grace: float = 0.0) -> None:
+def stop_tree(proc: subprocess.Popen[bytes] | subprocess.Popen[str], *, grace: float = 0.0) -> None:
     """Stop ``proc`` and every process under it, then reap it. Harness sessions and shell tools start their own
     process groups (``start_new_session``), so the tree is followed by parent links, and the group ``proc`` leads,
     if any, is signalled too: it holds the background children that outlived their parent. With ``grace`` > 0
@@ -118,7 +118,8 @@ def stop_tree(proc: subprocess.Popen, *, grace: float = 0.0) -> None:
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 class Service:
@@ -185,7 +186,7 @@ class Service:
                 self.proc.wait()
         self._log_file.close()
 
-    def __enter__(self) -> Service:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -130,7 +130,7 @@ def main(args: Args) -> int:
             if ungraded:
                 message = f"[yellow]{run}: {ungraded} sessions have no row in {REWARDS}: not counted[/]"
                 console.print(message, soft_wrap=True)
-    max_n = pass_table(rewards, (1,))["n"].max() or 0
+    max_n = max(pass_table(rewards, (1,))["n"].to_list(), default=0)
     ks = tuple(k for k in sorted(set(args.k)) if k <= max_n) or (1,)
     per_task = pass_table(rewards, ks)
     summary = overall(per_task, ks)

@@ -206,7 +206,7 @@ def roll_out(job: Job, args: Args, work_root: Path, logs: Path) -> dict[str, Any
     try:
         try:
             repo = checkout(job.task, work / "repo")  # at base_commit: checkout checks it
-            common = {
+            common: dict[str, Any] = {  # the keywords both runners take
                 "workspace": repo,
                 "session_id": job.session_id,
                 "model": args.model,

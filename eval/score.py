@@ -38,7 +38,7 @@ import traceback
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import polars as pl
 import tyro
@@ -101,7 +101,7 @@ class Grade:
     reward: float
     resolved: bool
     reason: str
-    report: dict | None  # swebench's report for the instance; None when it was not graded
+    report: dict[str, Any] | None  # swebench's report for the instance; None when it was not graded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +124,7 @@ def _ungraded(reason: str) -> Grade:
     return Grade(reward=0.0, resolved=False, reason=reason, report=None)
 
 
-def grade(task: dict, patch: str, *, timeout: float, log_dir: Path) -> Grade:
+def grade(task: dict[str, Any], patch: str, *, timeout: float, log_dir: Path) -> Grade:
     """Grade ``patch`` on ``task`` with the local runner; logs go to ``log_dir``. Never raises for bad input."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -146,7 +146,7 @@ def grade(task: dict, patch: str, *, timeout: float, log_dir: Path) -> Grade:
         return _ungraded("eval_error")
 
 
-def _grade_in(tmp: Path, task: dict, spec: TestSpec, patch: str, timeout: float, log_dir: Path) -> Grade:
+def _grade_in(tmp: Path, task: dict[str, Any], spec: TestSpec, patch: str, timeout: float, log_dir: Path) -> Grade:
     log = log_dir / "eval.log"
     (log_dir / "patch.diff").write_text(patch)
     (log_dir / "eval.sh").write_text(spec.eval_script)
@@ -171,7 +171,7 @@ def _grade_in(tmp: Path, task: dict, spec: TestSpec, patch: str, timeout: float,
     return _graded(entry)
 
 
-def _graded(entry: dict) -> Grade:
+def _graded(entry: dict[str, Any]) -> Grade:
     """The grade of swebench's report for one instance."""
     if not entry["patch_successfully_applied"]:  # swebench found no test output it trusts in the log
         return Grade(reward=0.0, resolved=False, reason="eval_error", report=entry)
@@ -237,7 +237,14 @@ def run_script(script: Path, repo: Path, env: dict[str, str], timeout: float, lo
 
 
 def grade_docker(
-    task: dict, patch: str, *, timeout: float, log_dir: Path, session_id: str, client: DockerClient, run_id: str
+    task: dict[str, Any],
+    patch: str,
+    *,
+    timeout: float,
+    log_dir: Path,
+    session_id: str,
+    client: DockerClient,
+    run_id: str,
 ) -> Grade:
     """Grade with swebench's ``run_instance`` in the instance's container; its logs are copied to ``log_dir``."""
     from swebench.harness.constants import LOG_INSTANCE, LOG_REPORT, LOG_TEST_OUTPUT, RUN_EVALUATION_LOG_DIR
@@ -272,7 +279,7 @@ def grade_docker(
     return _graded(result[1][spec.instance_id])
 
 
-def load_jobs(args: Args) -> tuple[Path, dict[str, dict], list[Job]]:
+def load_jobs(args: Args) -> tuple[Path, dict[str, dict[str, Any]], list[Job]]:
     """(run folder to write, tasks by instance_id, rows to grade) from RUN_DIR or --predictions/--gold."""
     if args.run_dir is not None:
         tasks = load_tasks(args.run_dir / TASKS, check=False)
@@ -290,7 +297,7 @@ def load_jobs(args: Args) -> tuple[Path, dict[str, dict], list[Job]]:
         ]
         return args.run_dir, {t["instance_id"]: t for t in tasks}, jobs
     assert args.tasks is not None and args.out is not None  # __post_init__
-    if args.gold:
+    if args.predictions is None:  # --gold (__post_init__)
         tasks = load_tasks(args.tasks, check=False)
         predictions = [
             {"instance_id": t["instance_id"], "model_name_or_path": "gold", "model_patch": t["patch"]} for t in tasks
@@ -306,7 +313,7 @@ def load_jobs(args: Args) -> tuple[Path, dict[str, dict], list[Job]]:
     return args.out, {t["instance_id"]: t for t in tasks}, jobs
 
 
-def read_predictions(path: Path) -> list[dict]:
+def read_predictions(path: Path) -> list[dict[str, Any]]:
     """swebench's predictions JSONL; EvalError naming the file, the line and what is wrong."""
     try:
         text = Path(path).read_text()
@@ -350,7 +357,7 @@ def main(args: Args) -> int:
             print(no_daemon.format(str(e).splitlines()[0][:200]), file=sys.stderr)
             return 1
 
-        def run(job: Job, task: dict, log_dir: Path) -> Grade:
+        def run(job: Job, task: dict[str, Any], log_dir: Path) -> Grade:
             return grade_docker(
                 task,
                 job.patch,
@@ -362,7 +369,7 @@ def main(args: Args) -> int:
             )
     else:
 
-        def run(job: Job, task: dict, log_dir: Path) -> Grade:
+        def run(job: Job, task: dict[str, Any], log_dir: Path) -> Grade:
             return grade(task, job.patch, timeout=args.timeout, log_dir=log_dir)
 
     def score(job: Job) -> Grade:

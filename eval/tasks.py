@@ -31,11 +31,12 @@ import subprocess
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from swebench.harness.constants import END_TEST_OUTPUT, START_TEST_OUTPUT, EvalType
 from swebench.harness.log_parsers import PARSER_REGISTRY
 from swebench.harness.utils import load_swebench_dataset
-from unidiff import PatchSet
+from unidiff.patch import PatchSet
 
 from eval.errors import EvalError
 
@@ -70,7 +71,9 @@ class TaskError(EvalError):
     """A task that cannot be loaded or checked out; the message names the file or instance and the field."""
 
 
-def load_tasks(spec: str | Path, instance_ids: Sequence[str] | None = None, *, check: bool = True) -> list[dict]:
+def load_tasks(
+    spec: str | Path, instance_ids: Sequence[str] | None = None, *, check: bool = True
+) -> list[dict[str, Any]]:
     """Instances of ``spec`` (``"toy"``, a .json/.jsonl/.parquet file, or a hub dataset name), validated, with
     FAIL_TO_PASS/PASS_TO_PASS as lists; only ``instance_ids`` when given (all of them must exist).
     ``check=False`` returns them as loaded, for callers that check each one alone (``grade`` scores a broken
@@ -81,7 +84,7 @@ def load_tasks(spec: str | Path, instance_ids: Sequence[str] | None = None, *, c
     return _load(spec, instance_ids, str(spec), check)
 
 
-def _load(spec: str | Path, instance_ids: Sequence[str] | None, source: str, check: bool) -> list[dict]:
+def _load(spec: str | Path, instance_ids: Sequence[str] | None, source: str, check: bool) -> list[dict[str, Any]]:
     try:
         instances = load_swebench_dataset(str(spec), instance_ids=list(instance_ids) if instance_ids else None)
     except Exception as e:  # the loader raises anything from FileNotFoundError to hub connection errors
@@ -92,7 +95,7 @@ def _load(spec: str | Path, instance_ids: Sequence[str] | None, source: str, che
     return [validate(dict(instance), source) if check else dict(instance) for instance in instances]
 
 
-def validate(instance: dict, source: str) -> dict:
+def validate(instance: dict[str, Any], source: str) -> dict[str, Any]:
     """``instance`` with its test lists as lists; TaskError naming ``source``, the instance and the field."""
     name = f"{source}: instance {instance.get('instance_id', '<no instance_id>')!r}"
     missing = [field for field in REQUIRED_FIELDS if instance.get(field) is None]
@@ -115,7 +118,7 @@ def validate(instance: dict, source: str) -> dict:
     return out
 
 
-def save_tasks(tasks: Iterable[dict], path: Path) -> Path:
+def save_tasks(tasks: Iterable[dict[str, Any]], path: Path) -> Path:
     """Write instances as JSON lines (the run folder's tasks.jsonl); ``load_tasks(path)`` reads them back."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -123,13 +126,13 @@ def save_tasks(tasks: Iterable[dict], path: Path) -> Path:
     return path
 
 
-def toy_instances() -> list[dict]:
+def toy_instances() -> list[dict[str, Any]]:
     """The shipped suite as SWE-bench 5.x instances, sorted by instance_id."""
     instances = [toy_instance(folder) for folder in TOY_DIR.iterdir() if folder.is_dir()]
     return sorted(instances, key=lambda t: t["instance_id"])
 
 
-def toy_instance(folder: Path) -> dict:
+def toy_instance(folder: Path) -> dict[str, Any]:
     meta = json.loads((folder / "task.json").read_text())
     test_patch = (folder / "test.patch").read_text()
     instance = {
@@ -176,7 +179,7 @@ def eval_script(base_commit: str, test_patch: str) -> str:
     ]) + "\n"  # fmt: skip
 
 
-def checkout(task: dict, dest: Path) -> Path:
+def checkout(task: dict[str, Any], dest: Path) -> Path:
     """A git working tree of the task's repository at ``base_commit`` in ``dest`` (absent or empty)."""
     dest = Path(dest)
     if dest.exists() and any(dest.iterdir()):

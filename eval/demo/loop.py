@@ -171,7 +171,8 @@ def teacher_messages(instance_id: str) -> list[dict[str, Any]]:
     path = TOY_DIR / name / "teacher.json"
     if not path.is_file():
         raise EvalError(f"--teach {instance_id}: no worked session at {path} (only toy tasks with one can teach)")
-    return json.loads(path.read_text())
+    messages: list[dict[str, Any]] = json.loads(path.read_text())
+    return messages
 
 
 class PhaseFailed(RuntimeError):
@@ -290,7 +291,7 @@ class Stages:
     def rollout_cmd(
         self, tasks: tuple[str, ...], samples: int, out: Path, model: str, proxy: str, capped: bool
     ) -> list[str | Path]:
-        cmd = [
+        cmd: list[str | Path] = [
             PY,
             "-m",
             "eval",
@@ -329,7 +330,9 @@ class Stages:
         """Roll out each group of (tasks, samples) side by side, then grade them all and reconstruct the first."""
         run = self.loop.run
         started = self.loop.header(f"{title}: {self.config.harness} as model {model!r}")
-        cmds, logs, wrote = [], [], []
+        cmds: list[list[str | Path]] = []
+        logs: list[Path | None] = []
+        wrote: list[Path] = []
         with contextlib.ExitStack() as stack:
             for i, (folder, (tasks, samples)) in enumerate(groups.items()):
                 if not tasks:
@@ -342,10 +345,10 @@ class Stages:
                 wrote.append(run / folder / "sessions.parquet")
             run_processes(*cmds, logs=logs)
         folders = [f for f, (tasks, _) in groups.items() if tasks]
-        score = [[PY, "-m", "eval", "score", run / f] for f in folders]
+        score: list[list[str | Path]] = [[PY, "-m", "eval", "score", run / f] for f in folders]
         main = run / folders[0]
         trajectories = main / "trajectories.parquet"
-        reconstruct = [
+        reconstruct: list[str | Path] = [
             PY,
             "-m",
             "reconstruct",
@@ -358,7 +361,7 @@ class Stages:
             main / "sessions.parquet",
             "--no-progress",
         ]
-        join = [PY, "-m", "eval", "join", trajectories, main, "-o", trajectories]
+        join: list[str | Path] = [PY, "-m", "eval", "join", trajectories, main, "-o", trajectories]
         for cmd in [*score, reconstruct, join]:
             run_processes(cmd)
         self.loop.done(
@@ -444,6 +447,7 @@ def demo(config: Args) -> int:
         for k, stage in enumerate(demo_report.stage_names(config.rounds)):
             if stage != "base":
                 if stage != "sft":  # GRPO on the previous stage's rollouts, continuing its adapter
+                    assert previous is not None  # base, the first stage, trains nothing
                     grpo = accelerate(
                         "grpo.py",
                         config,

@@ -444,7 +444,8 @@ def pass_rate_svg(numbers: dict[str, Any]) -> str:
 
 def metrics_svg(per_step: list[dict[str, Any]]) -> str:
     """One small line chart per training metric, x = optimizer step."""
-    panels, w, h, pad = [], 240, 140, 30
+    panels: list[str] = []
+    w, h, pad = 240, 140, 30
     for key in (*CHARTED, "loss/nll"):
         points = [(r["step"], r[key]) for r in per_step if r.get(key) is not None]
         if not points:

@@ -20,10 +20,11 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import openai
 import tyro
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
 __all__ = ["TOOLS", "Args", "main", "run_command"]
 
@@ -34,7 +35,7 @@ Fix the issue the user describes by editing the repository's source files. Use t
 code, make edits (for example with sed, a heredoc, or `git apply`) and run commands. Do not edit the tests.
 When the fix is done, reply with a short summary and no tool call: that ends the session."""
 
-TOOLS = [
+TOOLS: list[ChatCompletionToolParam] = [
     {
         "type": "function",
         "function": {
@@ -113,9 +114,16 @@ def run_command(command: str, cwd: Path, timeout: float, max_output: int) -> str
 
 def stream_turn(client: openai.OpenAI, args: Args, messages: list[dict[str, Any]]) -> dict[str, Any]:
     """One streamed model call; returns the assistant message, reasoning kept so the next prompt re-renders it."""
-    content, reasoning, calls = "", "", {}
-    extra = {} if args.max_tokens is None else {"max_tokens": args.max_tokens}
-    stream = client.chat.completions.create(model=args.model, messages=messages, tools=TOOLS, stream=True, **extra)
+    content, reasoning = "", ""
+    calls: dict[int, dict[str, str]] = {}  # tool call index -> its id, name and arguments, joined from the deltas
+    stream = client.chat.completions.create(
+        model=args.model,
+        # The SDK's message types, plus the "reasoning" field vLLM-style servers read back on assistant turns.
+        messages=cast("list[ChatCompletionMessageParam]", messages),
+        tools=TOOLS,
+        stream=True,
+        max_tokens=openai.omit if args.max_tokens is None else args.max_tokens,
+    )
     for chunk in stream:
         for choice in chunk.choices:
             delta = choice.delta

@@ -32,7 +32,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import tyro
 
@@ -267,7 +267,10 @@ PRESETS: dict[str, Preset] = {
     "shell": Preset(_shell, tools=False, token_cap=False),
 }  # fmt: skip
 # The harness names as a type, for the CLIs' choices; from the registry, so a new entry needs no second edit.
-Name = Literal[tuple(PRESETS)]
+if TYPE_CHECKING:
+    Name = str  # a Literal built at run time is tyro's to read, not mypy's
+else:
+    Name = Literal[tuple(PRESETS)]
 
 
 def base_env(home: Path, bin_dir: Path | None) -> dict[str, str]:

@@ -22,7 +22,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import certifi
 import tyro
@@ -40,7 +40,10 @@ BUNDLE_FILE = "polar-ca-bundle.pem"
 # Variables a preset sets only to change the base URL; unset, the harness uses its built-in default.
 BASE_URL_VARS = ("ANTHROPIC_BASE_URL", "GOOGLE_GEMINI_BASE_URL", "OPENAI_BASE_URL")
 # The harnesses with a transparent mode, as a type for the CLI's choices.
-Transparent = Literal[tuple(name for name, preset in presets.PRESETS.items() if preset.provider_url)]
+if TYPE_CHECKING:
+    Transparent = str  # a Literal built at run time is tyro's to read, not mypy's
+else:
+    Transparent = Literal[tuple(name for name, preset in presets.PRESETS.items() if preset.provider_url)]
 
 
 def ca_bundle(ca_cert: Path) -> Path:

@@ -20,6 +20,7 @@ import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import tyro
 
@@ -45,7 +46,7 @@ class Args:
     """Folder for example.jsonl, example_rollouts.jsonl and example_rollouts.meta.json."""
 
 
-def script(tasks: list[dict]) -> list[dict]:
+def script(tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One bash call that applies the gold patch on the first N_RESOLVED tasks (told apart by commit), then an
     answer."""
     arms = "".join(
@@ -62,7 +63,7 @@ def script(tasks: list[dict]) -> list[dict]:
     ]
 
 
-def row(task: dict) -> dict:
+def row(task: dict[str, Any]) -> dict[str, Any]:
     """A Gym dataset row: the prompt the harness gets (for reading; the harness builds its own), the instance."""
     return {
         "responses_create_params": {
@@ -90,7 +91,7 @@ def main(args: Args) -> int:
             threading.Thread(target=http.serve_forever, daemon=True).start()
             client = ServiceClient(f"http://127.0.0.1:{service_args.port}", poll_s=0.5)
 
-            def rollout(i: int) -> dict:
+            def rollout(i: int) -> dict[str, Any]:
                 gym_row = rows[i] | {"_ng_task_index": i, "_ng_rollout_index": 0}  # what Gym's collection adds
                 job = submission(gym_row, harness="mini", model="tiny", timeout=300)
                 answer = verify_response(gym_row, client.run(job, deadline_s=900), model="tiny")

@@ -185,7 +185,7 @@ class Service:
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._jobs: dict[str, dict[str, Any]] = {}
-        self._procs: dict[str, subprocess.Popen] = {}  # job id → its running phase
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}  # job id → its running phase
         self._queue: queue.Queue[str] = queue.Queue()
         for path in sorted(self.root.glob("*/job.json")):
             job = json.loads(path.read_text())
@@ -224,7 +224,8 @@ class Service:
         with self._lock:
             if job_id not in self._jobs:
                 raise JobError(f"no job {job_id!r}", 404)
-            return json.loads(json.dumps(self._jobs[job_id]))
+            copy: dict[str, Any] = json.loads(json.dumps(self._jobs[job_id]))
+            return copy
 
     def jobs(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -466,7 +467,7 @@ def main(args: Args) -> int:
         return 2
     server, service = serve(args)
     host, port = server.server_address[:2]
-    print(f"rollout service on http://{host}:{port} (jobs in {service.root})", flush=True)
+    print(f"rollout service on http://{host!s}:{port} (jobs in {service.root})", flush=True)
     # SIGTERM stops serving like Ctrl-C, so the running phases are killed rather than left orphaned.
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
     try:
