@@ -43,7 +43,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -123,13 +123,16 @@ class _Sequence:
         return len(self.prompt_ids) + self.n_generated - 1
 
 
-class _GrowingLayer(DynamicLayer):
+class _GrowingLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transformers' __init_subclass__
     """One layer's KV with spare columns after its tokens, so that a decode step writes its token in place:
     DynamicLayer concatenates, copying the whole layer on every step, a cost that grows with the context and the
     rows of the batch. ``keys`` and ``values`` are views of the tokens held; ``replace`` swaps in new contents."""
 
+    keys: torch.Tensor  # never None here, unlike in DynamicLayer before its first update
+    values: torch.Tensor
+
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.replace(keys, values)
 
     def replace(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -170,20 +173,21 @@ class _Batch:
 
     def __init__(self, seq: _Sequence, cache: Any) -> None:
         self.rows = [seq]
-        # cache.layers[i].keys / .values: (B, kv_heads, L, head_dim)
-        self.cache = Cache(layers=[_GrowingLayer(x.keys, x.values) for x in cache.layers])
+        # layers[i].keys / .values: (B, kv_heads, L, head_dim); the cache the model reads holds the same layers
+        self.layers = [_GrowingLayer(x.keys, x.values) for x in cache.layers]
+        self.cache = Cache(layers=[*self.layers])
         self.mask = torch.ones(1, cache.get_seq_length(), dtype=torch.long)  # (B, L): 0 on left padding
 
     def join(self, seq: _Sequence, cache: Any) -> None:
         """Appends a prefilled row (its cache: batch of 1). Every tensor is built before any is replaced, so a
         failure leaves the batch as it was."""
         length = max(self.mask.shape[1], cache.get_seq_length())
-        layers = list(zip(self.cache.layers, cache.layers, strict=True))
+        layers = list(zip(self.layers, cache.layers, strict=True))
         keys = [_stack_left_padded(mine.keys, theirs.keys, length, 2) for mine, theirs in layers]
         values = [_stack_left_padded(mine.values, theirs.values, length, 2) for mine, theirs in layers]
         ones = torch.ones(1, cache.get_seq_length(), dtype=torch.long)  # (1, T)
         mask = _stack_left_padded(self.mask, ones, length, 1)
-        for layer, layer_keys, layer_values in zip(self.cache.layers, keys, values, strict=True):
+        for layer, layer_keys, layer_values in zip(self.layers, keys, values, strict=True):
             layer.replace(layer_keys, layer_values)  # (B + 1, kv_heads, length, head_dim)
         self.mask = mask  # (B + 1, length)
         self.rows.append(seq)
@@ -195,8 +199,7 @@ class _Batch:
         n = int(self.mask[i].sum())
         copy = {"memory_format": torch.contiguous_format}
         return n, [
-            (x.keys[i : i + 1, :, -n:].clone(**copy), x.values[i : i + 1, :, -n:].clone(**copy))
-            for x in self.cache.layers
+            (x.keys[i : i + 1, :, -n:].clone(**copy), x.values[i : i + 1, :, -n:].clone(**copy)) for x in self.layers
         ]
 
     def keep(self, rows: list[int]) -> None:
@@ -210,7 +213,7 @@ class _Batch:
         mask = self.mask.index_select(0, index)  # (B', L)
         start = int(mask.any(0).nonzero()[0])  # the first column a remaining row uses
         self.mask = mask[:, start:]  # (B', L')
-        for layer in self.cache.layers:
+        for layer in self.layers:
             # (B', kv_heads, L', head_dim)
             layer.replace(
                 layer.keys.index_select(0, index)[:, :, start:], layer.values.index_select(0, index)[:, :, start:]
@@ -334,10 +337,11 @@ class Engine:
 
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, not {max_batch}")
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
-        self.model.eval()
-        head = self.model.get_output_embeddings()
+        # Any: transformers types its Auto classes' results loosely, and the model becomes a PeftModel with adapters.
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        self.model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+        self.model.eval()  # type: ignore[no-untyped-call]
+        head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]
         if type(head) is torch.nn.Linear and head.bias is None:  # train/grpo.py's adapters leave it out, as vLLM's do
             self.model.set_output_embeddings(_OutputLayer(head.weight))
         # Joining rows pads and concatenates whole caches, which is only right when every layer keeps all tokens.
@@ -349,7 +353,7 @@ class Engine:
         self.eos_ids = eos | {self.tokenizer.eos_token_id}
         self.max_batch = max_batch
         self.adapters: dict[str, str] = {}  # LoRA adapter name -> the folder it was loaded from
-        self._loads: dict[str, int] = {}  # adapter name -> loads and unloads so far: a new count retires its KV
+        self._loads: dict[str | None, int] = {}  # adapter name -> loads and unloads so far: a new count retires its KV
         self.prefix_cache = PrefixCache(prefix_cache_tokens)  # the scheduler thread's alone
         self._stats_due = time.monotonic() + _STATS_EVERY_S
         self._tokenizer_lock = threading.Lock()  # fast tokenizers raise "Already borrowed" when two threads encode
@@ -407,21 +411,25 @@ class Engine:
     ) -> str:
         """The chat template's text, ending in ``<|im_start|>assistant\n`` when ``generation_prompt``."""
         with self._tokenizer_lock:
-            return self.tokenizer.apply_chat_template(
+            text: str = self.tokenizer.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False
             )
+        return text
 
     def encode(self, text: str) -> list[int]:
         with self._tokenizer_lock:
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        text: str = self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return text
 
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
+        text: str = self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
+        return text
 
-    def steps(self, prompt_ids: list[int], sampling: Sampling, forced: list[int] | None) -> Iterator[Step]:
+    def steps(self, prompt_ids: list[int], sampling: Sampling, forced: list[int] | None) -> Generator[Step, None, None]:
         """Queues the request now; the iterator yields its tokens as the scheduler samples them (with ``forced``:
         replays them). Closing the iterator early takes the request out of the batch."""
         generator = self._generator if sampling.seed is None else torch.Generator().manual_seed(sampling.seed)
@@ -429,7 +437,7 @@ class Engine:
         self._waiting.put(seq)
         return self._replies(seq)
 
-    def _replies(self, seq: _Sequence) -> Iterator[Step]:
+    def _replies(self, seq: _Sequence) -> Generator[Step, None, None]:
         try:
             while True:
                 try:
@@ -610,7 +618,7 @@ class Detokenizer:
 
 def generate(
     engine: Engine, prompt_ids: list[int], sampling: Sampling, forced: list[int] | None = None
-) -> Iterator[Piece]:
+) -> Generator[Piece, None, None]:
     """Token ids -> text -> stop strings -> reasoning/tool-call parser, one token at a time. Closing it early (or a
     stop string) ends the request in the engine too."""
     detok, stops = Detokenizer(engine), StopStrings(sampling.stop)

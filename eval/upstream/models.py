@@ -315,7 +315,7 @@ def _write_tiny(out: Path) -> None:
     )
     bpe.train_from_iterator(_tiny_corpus(), trainer=trainer)
     bpe.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
-    tokenizer = PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=bpe,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
@@ -326,6 +326,7 @@ def _write_tiny(out: Path) -> None:
 
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert isinstance(eos, int) and isinstance(pad, int)  # one token in, one id out
     config = Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -343,7 +344,7 @@ def _write_tiny(out: Path) -> None:
     torch.manual_seed(_TINY_SEED)
     model = Qwen3ForCausalLM(config)
     print(f"model: Qwen3, {sum(p.numel() for p in model.parameters())} params")
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)  # type: ignore[no-untyped-call]
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
@@ -354,6 +355,7 @@ def _write_smollm2(out: Path, gguf: Path) -> None:
         AutoModelForCausalLM,
         AutoTokenizer,
         GenerationConfig,
+        LlamaConfig,
         LlamaForCausalLM,
     )
 
@@ -366,6 +368,7 @@ def _write_smollm2(out: Path, gguf: Path) -> None:
     # fp32 (~540 MB) rather than bf16: the saved weights are then exactly the dequantised values, and
     # the served log-probs match what a trainer recomputes from the same files.
     config = loaded.config
+    assert isinstance(config, LlamaConfig)  # SmolLM2 is a Llama
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     with torch.device("meta"):  # no random init of 135 M parameters only to overwrite them
@@ -379,9 +382,10 @@ def _write_smollm2(out: Path, gguf: Path) -> None:
     tokenizer.pad_token = "<|endoftext|>"
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert isinstance(eos, int) and isinstance(pad, int)  # one token in, one id out
     model.config.eos_token_id = eos
     model.config.pad_token_id = pad
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)  # type: ignore[no-untyped-call]
     print("saving fp32 safetensors")
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
