@@ -54,7 +54,7 @@ test-vllm: $(STAMP) $(VLLM_STAMP) models/smollm2
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not slow"
 
-# The gates, fast, before the tests: ruff's format (check only) and lint, mypy (strict on addon/ and reconstruct/).
+# The gates, fast, before the tests: ruff's format (check only) and lint, mypy (strict on addon/, reconstruct/, train/, eval/).
 check: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
