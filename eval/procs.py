@@ -2,7 +2,10 @@
 addon), and stopping a process tree.
 
 Used by the demo, rollouts, the rollout service, tests and benchmarks. Each service is a real subprocess on a free
-127.0.0.1 port, its output in a log file, stopped on ``stop()``/``with`` exit, also when startup fails.
+127.0.0.1 port, its output in a log file, stopped on ``stop()``/``with`` exit, also when startup fails. Reference
+servers are forked from one forkserver per process that has imported torch, transformers and the server once
+(about 5 CPU-seconds), so each server after the first starts in a fraction of a second. As with any
+multiprocessing start, a script that starts one needs the ``if __name__ == "__main__":`` guard.
 :func:`stop_tree` stops a harness, a grading script or a phase with everything it started.
 
 :func:`check_proxy` is the one place that decides whether a proxy records: it asks the addon's
@@ -14,7 +17,9 @@ rollout service and :class:`Mitmdump` (hence the demo) all refuse a proxy that d
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import multiprocessing
 import os
 import signal
 import socket
@@ -139,15 +144,7 @@ class Service:
         self.url = f"http://127.0.0.1:{port}"
         self.log = log
         self._log_file = open(log, "ab")  # noqa: SIM115 - the process writes it until close()
-        self.proc = subprocess.Popen(
-            cmd,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=ROOT,
-            env=env,
-            start_new_session=own_group,
-        )
+        self.proc = self._start(cmd, env, own_group)
         try:
             self._wait_until_ready(startup_timeout)
         except Exception as e:
@@ -156,6 +153,17 @@ class Service:
             raise RuntimeError(
                 f"{type(self).__name__} did not start ({e}); its output ends:\n{self.output()[-6000:]}"
             ) from e
+
+    def _start(self, cmd: list[str], env: dict[str, str] | None, own_group: bool) -> subprocess.Popen[bytes] | Forked:
+        return subprocess.Popen(
+            cmd,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=ROOT,
+            env=env,
+            start_new_session=own_group,
+        )
 
     def _wait_until_ready(self, timeout: float) -> None:
         deadline = time.time() + timeout
@@ -214,6 +222,78 @@ class ReferenceServer(Service):
         if lora:
             cmd += ["--lora-modules", *(f"{name}={path}" for name, path in lora.items())]
         super().__init__(cmd, port=port, log=log)
+
+    def _start(self, cmd: list[str], env: dict[str, str] | None, own_group: bool) -> Forked:
+        """``python -m eval serve ...`` forked from the forkserver rather than started afresh (same arguments, log,
+        working directory and environment as the subprocess would have)."""
+        argv = cmd[cmd.index("eval") + 1 :]
+        process = _forkserver().Process(target=_serve, args=(argv, str(self.log), dict(env or os.environ)))
+        process.start()
+        return Forked(process)
+
+
+# The imports a reference server spends its start-up on, torch's and transformers' lazy ones included.
+SERVER_IMPORTS = [
+    "eval.__main__",
+    "eval.upstream.server",
+    "transformers.core_model_loading",
+    "transformers.masking_utils",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.qwen3.modeling_qwen3",
+]
+
+
+@functools.cache
+def _forkserver() -> multiprocessing.context.ForkServerContext:
+    """This process's forkserver, started with the first reference server. It only imports (SERVER_IMPORTS) and
+    runs nothing, so no thread pool exists to be copied half-held into a forked server."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(SERVER_IMPORTS)
+    return context
+
+
+def _serve(argv: list[str], log: str, env: dict[str, str]) -> None:
+    """The forked server: the subprocess's working directory, environment and log, then ``python -m eval`` argv."""
+    os.chdir(ROOT)
+    os.environ.clear()
+    os.environ.update(env)
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    from eval.__main__ import main
+
+    sys.exit(main(argv))
+
+
+class Forked:
+    """A forked server process behind the part of ``subprocess.Popen`` that Service and stop_tree use."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
+        self._process = process
+        assert process.pid is not None  # started
+        self.pid: int = process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"reference server {self.pid}", timeout or 0)
+        return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self._process.terminate()
+
+    def kill(self) -> None:
+        self._process.kill()
 
 
 class Mitmdump(Service):
