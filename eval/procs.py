@@ -2,10 +2,10 @@
 addon), and stopping a process tree.
 
 Used by the demo, rollouts, the rollout service, tests and benchmarks. Each service is a real subprocess on a free
-127.0.0.1 port, its output in a log file, stopped on ``stop()``/``with`` exit, also when startup fails. Reference
-servers are forked from one forkserver per process that has imported torch, transformers and the server once
-(about 5 CPU-seconds), so each server after the first starts in a fraction of a second. As with any
-multiprocessing start, a script that starts one needs the ``if __name__ == "__main__":`` guard.
+127.0.0.1 port, its output in a log file, stopped on ``stop()``/``with`` exit, also when startup fails. With
+``ReferenceServer.forked`` (the tests set it) reference servers are forked from one forkserver per process that
+has imported torch, transformers and the server once (about 5 CPU-seconds), so each server after the first
+starts in a fraction of a second.
 :func:`stop_tree` stops a harness, a grading script or a phase with everything it started.
 
 :func:`check_proxy` is the one place that decides whether a proxy records: it asks the addon's
@@ -29,7 +29,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 import psutil
 
@@ -204,6 +204,11 @@ class Service:
 class ReferenceServer(Service):
     """``python -m eval serve --model DIR`` (see eval/upstream/server.py)."""
 
+    forked: ClassVar[bool] = False
+    """Fork each server from this process's forkserver instead of starting Python afresh: for a process that
+    starts many (the test suite). Its command line is then the forkserver's, not ``python -m eval serve``, and,
+    as with any multiprocessing start, a script that sets it needs the ``if __name__ == "__main__":`` guard."""
+
     def __init__(
         self,
         model: Path,
@@ -223,9 +228,11 @@ class ReferenceServer(Service):
             cmd += ["--lora-modules", *(f"{name}={path}" for name, path in lora.items())]
         super().__init__(cmd, port=port, log=log)
 
-    def _start(self, cmd: list[str], env: dict[str, str] | None, own_group: bool) -> Forked:
-        """``python -m eval serve ...`` forked from the forkserver rather than started afresh (same arguments, log,
-        working directory and environment as the subprocess would have)."""
+    def _start(self, cmd: list[str], env: dict[str, str] | None, own_group: bool) -> subprocess.Popen[bytes] | Forked:
+        """With ``forked``: ``python -m eval serve ...`` forked from the forkserver (same arguments, log, working
+        directory and environment as the subprocess would have)."""
+        if not self.forked:
+            return super()._start(cmd, env, own_group)
         argv = cmd[cmd.index("eval") + 1 :]
         process = _forkserver().Process(target=_serve, args=(argv, str(self.log), dict(env or os.environ)))
         process.start()
