@@ -21,6 +21,7 @@ import functools
 import json
 import multiprocessing
 import os
+import runpy
 import signal
 import socket
 import subprocess
@@ -260,16 +261,15 @@ def _forkserver() -> multiprocessing.context.ForkServerContext:
 
 
 def _serve(argv: list[str], log: str, env: dict[str, str]) -> None:
-    """The forked server: the subprocess's working directory, environment and log, then ``python -m eval`` argv."""
+    """The forked server: the subprocess's working directory, environment and log, then ``python -m eval ARGV``."""
     os.chdir(ROOT)
     os.environ.clear()
     os.environ.update(env)
     fd = os.open(log, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    from eval.__main__ import main
-
-    sys.exit(main(argv))
+    sys.argv = [sys.executable, *argv]
+    runpy.run_module("eval", run_name="__main__", alter_sys=True)  # python -m eval ARGV
 
 
 class Forked:
