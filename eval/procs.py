@@ -293,9 +293,6 @@ class Forked:
             raise subprocess.TimeoutExpired(f"reference server {self.pid}", timeout or 0)
         return self._process.exitcode
 
-    def send_signal(self, sig: int) -> None:
-        os.kill(self.pid, sig)
-
     def terminate(self) -> None:
         self._process.terminate()
 
