@@ -42,6 +42,7 @@ from addon import (
     chat,
     clamp,
     constrained,
+    health,
     native,
     proxy_errors,
     reroute,
@@ -60,7 +61,6 @@ TRANSLATE = ("auto", "never")
 METADATA_KEY = "polar"
 CAP_KEY = "polar.cap"  # (models URL, model) of a call whose output cap the addon checked
 SALT_FILE = ".session-salt"
-HEALTH_PATH = "/polar/health"  # answered by the addon itself: clients check it before they send model calls
 
 
 def guarded(hook: Callable[..., None]) -> Callable[..., None]:
@@ -229,13 +229,15 @@ class Polar:
             self.writer.close()  # bounded, also on a full disk; logs every record it could not write
             self.writer = None
 
-    def health(self) -> dict[str, Any]:
-        """What ``GET /polar/health`` answers: the addon is loaded, its options, and whether it records."""
+    def health(self, nonce: str | None = None) -> dict[str, Any]:
+        """What ``GET /polar/health`` answers: the addon is loaded (with the proof of the client's ``nonce``, see
+        addon/health.py), its options, and whether it records."""
         opts = ctx.options
         problem = self._recording_problem()
         writer = self.writer
         return {
             "loaded": True,
+            "proof": health.proof(nonce) if nonce is not None else None,
             "format_version": FORMAT_VERSION,
             "options": {
                 "polar_dir": str(Path(opts.polar_dir).resolve()),
@@ -297,8 +299,13 @@ class Polar:
     @guarded
     def request(self, flow: http.HTTPFlow) -> None:
         # One hook for the whole request: each hook a script defines costs every flow a dispatch.
-        if flow.request.path.partition("?")[0] == HEALTH_PATH and flow.request.method in ("GET", "HEAD"):
-            flow.response = http.Response.make(200, json.dumps(self.health()), {"content-type": "application/json"})
+        if flow.error is not None:
+            # Killed by an addon before this one (mitmproxy's refusal of an HTTP/2 prior-knowledge preface,
+            # ``PRI *``): it goes nowhere, so there is no call to record (issue 27).
+            return
+        if flow.request.path.partition("?")[0] == health.PATH and flow.request.method in ("GET", "HEAD"):
+            answer = self.health(flow.request.headers.get(health.NONCE_HEADER))
+            flow.response = http.Response.make(200, json.dumps(answer), {"content-type": "application/json"})
             return
         route = flow.metadata.get(reroute.ROUTE_KEY)  # None: reverse mode, every call is ours
         if route == reroute.PASS:

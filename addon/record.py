@@ -20,7 +20,9 @@ field                  meaning
 ``id``                 record id: 32 hex chars, unique per exchange
 ``session_id``         who made the call (see ``session_source``)
 ``session_source``     ``header`` (x-polar-session) | ``path`` (/s/<id>/...) | ``api_key`` (the key
-                       was a session id) | ``key_hash`` (salted hash of a key) | ``anonymous``
+                       was a session id) | ``key_hash`` (salted hash of a key) | ``id_hash`` (salted
+                       hash of a header or path session id that is not a valid id: too long, control
+                       characters, ``../``; added in issue 27) | ``anonymous``
 ``api``                ``chat`` | ``anthropic`` | ``responses`` | ``google`` | ``other`` (a path the
                        addon does not know: forwarded untouched)
 ``upstream``           the ``polar_upstream`` mode that shaped the request: vllm | sglang | plain

@@ -10,6 +10,8 @@ import time
 import tracemalloc
 
 import pytest
+from mitmproxy.addons.disable_h2c import DisableH2C
+from mitmproxy.test import tflow, tutils
 
 from addon import polar, writer
 from addon.record import ELIDED, Exchange
@@ -384,3 +386,30 @@ def test_a_large_body_that_needs_rewriting_is_rewritten_whole(addon, tctx, tmp_p
     addon.done()
     (rec,) = read_records(tmp_path / "captures")
     assert rec["request"] == body and rec["upstream_request"] == sent
+
+
+# ---- issue 27: faults the record path took silently ----------------------------------------------------
+
+
+def test_issue27_an_http2_prior_knowledge_preface_leaves_no_record(addon, tctx, tmp_path):
+    preface = tflow.tflow(req=tutils.treq(method=b"PRI", path=b"*", http_version=b"HTTP/2.0", content=b""))
+    DisableH2C().request(preface)  # mitmproxy's own addon, which runs before scripts, kills the preface
+    addon.request(preface)
+    addon.error(preface)
+    run_exchange(addon, make_chat_flow(), [b"{}"])
+    addon.done()
+    assert [(r["method"], r["path"]) for r in read_records(tmp_path / "captures")] == [("POST", "/v1/chat/completions")]
+
+
+@pytest.mark.parametrize(
+    "given", ["../../etc/passwd", "s" * 65536, "run-1\x01\x1b[2J"], ids=["dotdot", "64KB", "control"]
+)
+def test_issue27_invalid_session_ids_get_a_session_each_not_anonymous(addon, tctx, tmp_path, given):
+    for value in (given, given + "2"):
+        flow = make_chat_flow(headers=((b"x-polar-session", value.encode()),))
+        run_exchange(addon, flow, [b"{}"])
+    addon.done()
+    records = read_records(tmp_path / "captures")
+    assert [r["session_source"] for r in records] == ["id_hash", "id_hash"]
+    assert records[0]["session_id"] != records[1]["session_id"]
+    assert given.encode() not in lines_of(tmp_path / "captures")
