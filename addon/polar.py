@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from mitmproxy import connection, ctx, exceptions, http
-from mitmproxy.net import encoding
 from mitmproxy.proxy import mode_specs
 
 if __package__ in (None, "", "__mitmproxy_script__"):
@@ -42,6 +41,7 @@ from addon import (
     chat,
     clamp,
     constrained,
+    content,
     health,
     native,
     proxy_errors,
@@ -108,6 +108,7 @@ class Polar:
         self._salt: bytes | None = None
         self.refused = 0  # model calls answered 503 because recording did not work
         self.backlog_bytes = 256 << 20
+        self.max_decoded = 128 << 20  # polar_max_decoded_mb
         self._handing_over: dict[str, Exchange] = {}  # by id: submitted on the next loop step; done() flushes them
         self.upstream = "vllm"
         self.upstream_key = ""
@@ -153,6 +154,13 @@ class Polar:
             "polar_rotate_mb", int, 256, "Start a new capture file once the current one passes this size (MiB)."
         )
         loader.add_option(
+            "polar_max_decoded_mb",
+            int,
+            128,
+            "Largest body (MiB) the addon decodes from gzip or deflate; a larger one (a gzip bomb) is refused "
+            "(a request) or recorded encoded with a decode error (an answer).",
+        )
+        loader.add_option(
             "polar_backlog_mb",
             int,
             256,
@@ -174,6 +182,12 @@ class Polar:
             if opts.polar_backlog_mb < 1:
                 raise exceptions.OptionsError(f"polar_backlog_mb must be at least 1, not {opts.polar_backlog_mb}")
             self.backlog_bytes = opts.polar_backlog_mb << 20
+        if "polar_max_decoded_mb" in updated:
+            if opts.polar_max_decoded_mb < 1:
+                raise exceptions.OptionsError(
+                    f"polar_max_decoded_mb must be at least 1, not {opts.polar_max_decoded_mb}"
+                )
+            self.max_decoded = opts.polar_max_decoded_mb << 20
         if "polar_translate" in updated and opts.polar_translate not in TRANSLATE:
             raise exceptions.OptionsError(f"polar_translate must be auto or never, not {opts.polar_translate!r}")
         self.upstream_key = opts.polar_upstream_key
@@ -191,9 +205,13 @@ class Polar:
                 directory,
                 rotate_bytes=opts.polar_rotate_mb << 20,
                 fsync=opts.polar_fsync,
-                decode_content=encoding.decode,  # type: ignore[arg-type]
+                decode_content=self.decode_content,
             )
             self._salt = None
+
+    def decode_content(self, data: bytes, encoding: str) -> bytes:
+        """A body with its content-encoding undone, bounded by ``polar_max_decoded_mb`` (addon/content.py)."""
+        return content.decode(data, encoding, self.max_decoded)
 
     @property
     def salt(self) -> bytes:
@@ -263,6 +281,8 @@ class Polar:
             return "the capture writer is not running"
         if self.writer.failure:
             return f"capture writes fail ({self.writer.failure})"
+        if self.writer.folder_removed:  # seen before the next write fails: one stat, on the writer's files only
+            return f"the capture folder {self.writer.directory} was removed"
         if self.writer.backlog_bytes > self.backlog_bytes:
             mb = self.writer.backlog_bytes / (1 << 20)
             return f"{mb:.0f} MiB of records wait to be written (polar_backlog_mb={self.backlog_bytes >> 20})"
@@ -329,11 +349,15 @@ class Polar:
         # The tee must see plain bytes; a gzipped stream could not be recorded chunk by chunk.
         ours["accept-encoding"] = "identity"
         set_headers(flow.request.headers, ours)
-        try:
-            # .content looks the content-encoding up again; without one it is the raw bytes.
-            data = (flow.request.content if "content-encoding" in headers else flow.request.raw_content) or b""
-        except ValueError:  # a content-encoding we cannot undo: record the bytes as sent
-            data = flow.request.raw_content or b""
+        data = flow.request.raw_content or b""
+        if "content-encoding" in headers:
+            try:
+                data = self.decode_content(data, headers["content-encoding"])
+            except content.TooLarge as e:  # a gzip bomb: never forwarded, never decoded past the bound
+                self._refuse_too_large(flow, found, headers, e)
+                return
+            except content.Undecodable:  # an encoding we cannot undo: record the bytes as sent
+                pass
         # A call to translate reads its whole body; the others only its top-level fields.
         to_translate = (
             self.translate and not to_provider and apis.detect_api(found.path, headers, None) in apis.TRANSLATED
@@ -378,6 +402,24 @@ class Polar:
         for kept in (ex.request, ex.upstream_request):
             if kept is not None and kept.json_bytes is not None:
                 kept.value = None
+
+    def _refuse_too_large(
+        self, flow: http.HTTPFlow, found: session.Session, headers: dict[str, str], e: content.TooLarge
+    ) -> None:
+        """Answer 413 in the API's shape and record why (the body is not kept: it may be the bomb itself)."""
+        api = apis.detect_api(found.path, headers, None)
+        flow.response = translating.json_response(413, translating.error_body(api, 413, str(e)))
+        flow.metadata[METADATA_KEY] = Exchange(
+            session_id=found.id,
+            session_source=found.source,
+            api=api,
+            upstream=self.upstream,
+            method=flow.request.method,
+            path=found.path,
+            t_start=flow.request.timestamp_start or time.time(),
+            request_headers=session.recordable_headers(headers),
+            error={"kind": "request", "message": str(e)},
+        )
 
     def _rewrite(
         self, flow: http.HTTPFlow, ex: Exchange, headers: dict[str, str], data: bytes, to_provider: bool
@@ -470,7 +512,7 @@ class Polar:
                 url, model = cap
                 self.context_lengths.learn(url, model, flow.response.get_text(strict=False) or "")
             if (translation := flow.metadata.get(translating.TRANSLATION_KEY)) is not None:
-                translating.translate_answer(flow, ex, translation)
+                translating.translate_answer(flow, ex, translation, self.decode_content)
         ex.complete = ex.error is None
         self._submit(ex)
 

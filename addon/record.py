@@ -63,8 +63,14 @@ field                  meaning
 ``chunks``             ``[[ms since t_start, bytes], ...]`` per network chunk of a stream (one
                        entry for a buffered answer)
 ``complete``           false when the exchange did not finish (stream broken, client gone, error)
+``crc``                the last member: CRC-32 of the line's bytes before ``, "crc": ``, as 8 lower-case
+                       hex digits; a line whose bytes do not match (two torn records spliced into one
+                       line that still parses) is not a record. Added in issue 27 without a version
+                       change; records written before lack it, and readers then take the line as it is
 ``error``              null, or ``{"kind": str, "message": str}``: ``upstream`` (refused, reset),
-                       ``client`` (disconnected), ``decode`` (content-encoding), ``translate``
+                       ``client`` (disconnected), ``decode`` (a content-encoding that is not gzip or
+                       deflate, is corrupt, or decodes past ``polar_max_decoded_mb``: the body is then
+                       kept encoded, in ``response_b64``; addon/content.py), ``translate``
                        (a native request or answer that could not be mapped), ``request`` (a body
                        the addon refused with a 400, e.g. JSON nested too deeply), ``addon``
 =====================  ==========================================================================
@@ -85,6 +91,7 @@ import base64
 import json
 import re
 import secrets
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -306,7 +313,7 @@ def encode_parts(ex: Exchange, decode_content: Any) -> tuple[bytes, ...]:
         try:
             body = decode_content(body, ex.content_encoding)
         except Exception as e:  # noqa: BLE001 - keep the encoded bytes rather than lose the response
-            error = error or {"kind": "decode", "message": f"{ex.content_encoding}: {e}"}
+            error = error or {"kind": "decode", "message": str(e) if isinstance(e, ValueError) else repr(e)}
     response_body, response_b64 = None, None
     if body:
         try:
@@ -340,14 +347,22 @@ def encode_parts(ex: Exchange, decode_content: Any) -> tuple[bytes, ...]:
         "response_b64": response_b64,
         "response_body": response_body,
     }
-    # The request bodies go last, spliced in as the bytes they arrived as.
-    return (
+    # The request bodies go last, spliced in as the bytes they arrived as; the checksum of all that ends the line.
+    parts = (
         json.dumps(head, ensure_ascii=False).encode("utf-8")[:-1] + b', "request": ',
         _json_bytes(ex.request),
         b', "upstream_request": ',
         _json_bytes(ex.upstream_request) if ex.upstream_request else b"null",
-        b"}\n",
     )
+    return (*parts, crc_tail(parts))
+
+
+def crc_tail(parts: tuple[bytes, ...]) -> bytes:
+    """The end of a record line: its ``crc`` member (CRC-32 of the line's bytes before it), ``}`` and the newline."""
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return b', "crc": "%08x"}\n' % crc
 
 
 def _json_bytes(body: Body) -> bytes:

@@ -5,7 +5,11 @@ batch, no user-space buffer) as soon as the thread wakes, typically well under a
 so a ``kill -9`` of mitmdump loses nothing that ended before it. With ``fsync`` each batch is also
 forced to the disk.
 
-When a write fails (disk full, quota, I/O error) the lines that did not fully reach the file are
+After each write the file is checked to still have a name (``st_nlink``): a file removed while open (``rm -rf``
+of the capture folder) would swallow every later record unseen, so its last batch is written again to a new file,
+and a removed folder is a failure like a full disk until it exists again (issue 27).
+
+When a write fails (disk full, quota, I/O error, a removed folder) the lines that did not fully reach the file are
 cut off again (``ftruncate`` back to the last whole line, so no torn line is left), kept, and
 retried every :data:`RETRY_SECONDS`; :attr:`CaptureWriter.failure` says why, so the addon refuses
 new model calls until recording works. :attr:`CaptureWriter.backlog_bytes` is what waits in memory;
@@ -79,6 +83,11 @@ class CaptureWriter:
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="polar-writer", daemon=True)
         self._thread.start()
+
+    @property
+    def folder_removed(self) -> bool:
+        """The folder held a capture file and is gone (``rm -rf``): nothing can be written until it is back."""
+        return self.path is not None and not self.directory.is_dir()
 
     @property
     def backlog_bytes(self) -> int:
@@ -190,6 +199,9 @@ class CaptureWriter:
                     pending[0] = pending[0][n:]
             if self.fsync:
                 os.fsync(self._fd)
+            if os.fstat(self._fd).st_nlink == 0:  # issue 27: written into a file someone removed (rm -rf)
+                self._removed()
+                return 0
             return len(lines)
         except OSError as e:
             if self.failure is None:
@@ -210,8 +222,19 @@ class CaptureWriter:
                 self._close_fd()
         return whole
 
+    def _removed(self) -> None:
+        """The current file was removed while open: what went into it is gone, so the batch is written again, to a
+        new file; if the folder went too, that fails (a removed folder is not made again) until someone makes it."""
+        log.error(
+            "polar: the capture file %s was removed while open; writing its last batch again in a new file", self.path
+        )
+        self._close_fd()
+        if not self.directory.is_dir():
+            self.failure = f"the capture folder {self.directory} was removed"
+
     def _open_next(self) -> None:
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.path is None:  # the first file makes the folder; a folder removed later is not made again
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         while True:
             suffix = f".{self._part}" if self._part else ""
             path = self.directory / f"{self._stem}{suffix}.jsonl"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ def discover(paths: list[Path]) -> list[Path]:
 @dataclasses.dataclass
 class IndexCounts:
     lines: int = 0
-    corrupt: int = 0  # lines that do not parse as a record
+    corrupt: int = 0  # lines that do not parse as a record, or fail their checksum
     torn: int = 0  # unterminated last lines (a writer killed mid-line)
     unsupported: int = 0  # records of another format version
     duplicates: int = 0  # records whose id an earlier line already had (a copied capture file): skipped
@@ -231,6 +232,8 @@ _BODY_KEYS = frozenset(("request", "upstream_request"))
 # The prompt id array's key inside the response body, as the JSON-escaped string of the line holds it.
 _PROMPT_IN_BODY = b'\\"prompt_token_ids\\":'
 _CHUNKS = b', "chunks": '
+_CRC_KEY = b', "crc": "'  # the line's last member: '..., "crc": "<8 hex>"}'
+_CRC_TAIL = len(_CRC_KEY) + 10
 _REQUEST_RAW = b', "request_raw": '
 
 
@@ -274,13 +277,16 @@ class CaptureRecord(dict):  # type: ignore[type-arg]
 
 
 def parse_record(line: bytearray) -> dict[str, Any] | None:
-    """One record line; None when the line is not a JSON object.
+    """One record line; None when the line is not a JSON object, or its checksum does not match its bytes.
 
     When the line has the writer's layout, only its head is parsed, and not all of it: the request bodies are
     left for later (``CaptureRecord``); the prompt id array of a Chat Completions answer is lifted out of the
     line as bytes, most of a line that merging compares as text (``TokenText``) and never needs decoded; the
     ``chunks`` timings, hundreds of small lists in a streamed record that nothing here reads, become null.
-    ``line`` is changed in place (its bodies become ``{"request": ...``: parsed later through a view)."""
+    ``line`` is changed in place (its checksum is cut off; its bodies become ``{"request": ...``: parsed later
+    through a view)."""
+    if not _checksum_holds(line):
+        return None
     key = line.find(_RESPONSE_KEY)
     prompt = _prompt_span(line, key) if key >= 0 else None
     # The first ", "request": " after the response body's key ends the head: inside the JSON string of the
@@ -304,6 +310,24 @@ def parse_record(line: bytearray) -> dict[str, Any] | None:
     except ValueError:
         return None
     return record if isinstance(record, dict) else None
+
+
+def _checksum_holds(line: bytearray) -> bool:
+    """Whether the line's ``crc`` member (addon/record.py, its last) matches the bytes before it; the member is then
+    cut off. A line without one (written before issue 27) holds. A line spliced from two torn records, which may
+    still parse, ends with the second one's checksum: it does not hold."""
+    tail = len(line) - _CRC_TAIL
+    if tail < 0 or line[tail : tail + len(_CRC_KEY)] != _CRC_KEY or line[-2:] != b'"}':
+        return True
+    try:
+        expected = int(line[-10:-2], 16)
+    except ValueError:
+        return False
+    if zlib.crc32(memoryview(line)[:tail]) != expected:
+        return False
+    del line[tail + 1 :]
+    line[tail] = 0x7D  # '}'
+    return True
 
 
 def _prompt_span(line: bytearray, key: int) -> tuple[int, int] | None:

@@ -22,7 +22,7 @@ class Stats:
     # Input
     files: int = 0
     lines: int = 0
-    corrupt_lines: int = 0  # did not parse as a record: counted, skipped
+    corrupt_lines: int = 0  # did not parse as a record or failed its checksum: counted, skipped
     torn_lines: int = 0  # unterminated last line of a file
     unsupported_records: int = 0  # another capture format version
     duplicate_records: int = 0  # a record id seen before (a copied capture file): skipped, never trained twice

@@ -39,9 +39,9 @@ def folder(captures, tmp_path_factory):
     (path,) = captures.vllm_dir.glob("*.jsonl")
     lines = path.read_bytes().split(b"\n")[:-1]
     half = len(lines) // 2
-    future = json.loads(lines[0])
-    future["v"], future["id"] = 2, "f" * 32
-    other = {**json.loads(lines[1]), "id": "e" * 32, "api": "other", "path": "/v1/models", "request": None}
+    future = unsealed_record(lines[0])
+    future["v"], future["id"] = 99, "f" * 32
+    other = {**unsealed_record(lines[1]), "id": "e" * 32, "api": "other", "path": "/v1/models", "request": None}
     first = [*lines[:half], b"{this is not json", json.dumps(future).encode(), json.dumps(other).encode()]
     (out / path.name).write_bytes(b"\n".join(first) + b"\n")
     (out / path.name.replace(".jsonl", ".1.jsonl")).write_bytes(b"\n".join(lines[half:]) + b"\n" + lines[0][:300])
@@ -189,6 +189,17 @@ def test_bad_inputs(tmp_path):
 # --- hostile input (issue 16): records met twice, glued lines, bodies only Python's json reads ---------------------
 
 
+def unsealed(line):
+    """A record line without its checksum member (as records written before issue 27): a test may then edit it."""
+    return line[: line.rindex(b', "crc": ')] + b"}"
+
+
+def unsealed_record(line):
+    record = json.loads(line)
+    del record["crc"]
+    return record
+
+
 def _vllm_lines(captures):
     (path,) = captures.vllm_dir.glob("*.jsonl")
     return path.name, path.read_bytes().split(b"\n")[:-1]
@@ -258,7 +269,7 @@ def test_the_prompt_array_is_lifted_out_of_the_line_unparsed(captures):
     in the response body) and the chunk timings (null), and its request bodies only when read."""
     _, lines = _vllm_lines(captures)
     for line in lines:
-        plain = json.loads(line)
+        plain = unsealed_record(line)  # the checksum is checked and cut off
         record = parse_record(bytearray(line))
         prompt, _, _ = oracle(plain)
         assert isinstance(record, CaptureRecord) and record.prompt is not None and record.prompt.ids() == prompt
@@ -272,7 +283,7 @@ def test_the_prompt_array_is_lifted_out_of_the_line_unparsed(captures):
 def test_nan_and_infinity_in_request_bodies_are_read_as_the_upstream_reads_them(captures, reference, tmp_path):
     """Python's json.dumps writes NaN and Infinity, vLLM reads them: the request (messages, tools, model) is kept."""
     name, lines = _vllm_lines(captures)
-    text = b"\n".join(lines) + b"\n"
+    text = b"\n".join(map(unsealed, lines)) + b"\n"
     odd = text.replace(b'"temperature":0', b'"temperature":NaN').replace(
         b'"model":"tiny"', b'"model":"tiny","x":-Infinity', 1
     )
@@ -288,8 +299,25 @@ def test_request_bodies_that_do_not_parse_are_counted(captures, reference, tmp_p
     """The head parses, the bodies do not: the answer's tokens are kept, and each lost request is counted."""
     name, lines = _vllm_lines(captures)
     key = b'"request": '
-    damaged = [line.replace(key, key + b"{oops", 1) for line in lines]
+    damaged = [unsealed(line).replace(key, key + b"{oops", 1) for line in lines]
     (tmp_path / name).write_bytes(b"\n".join(damaged) + b"\n")
     df, stats = reconstruct([tmp_path])
     assert (stats.corrupt_lines, stats.calls, df.height) == (0, reference[1].calls, reference[0].height)
     assert stats.unreadable_bodies >= df.height and df["model"].null_count() == df.height  # each row's last call
+
+
+@pytest.mark.slow
+def test_issue27_a_line_spliced_from_two_records_fails_its_checksum(captures, reference, tmp_path):
+    """The head of one session's record and the bodies of another's parse as one valid record: the checksum of the
+    second, which ends the line, rejects it, so no trace holds one session's answer with another's request."""
+    name, lines = _vllm_lines(captures)
+    sessions = [json.loads(line)["session_id"] for line in lines]
+    i = next(i for i in range(len(lines) - 1) if sessions[i] != sessions[i + 1])
+    key = b', "request": '
+    spliced = lines[i][: lines[i].index(key)] + lines[i + 1][lines[i + 1].index(key) :]
+    assert json.loads(spliced)["session_id"] == sessions[i]  # valid JSON: only the checksum tells
+    (tmp_path / name).write_bytes(b"\n".join([*lines[:i], spliced, *lines[i + 1 :]]) + b"\n")
+    df, stats = reconstruct([tmp_path])
+    assert (stats.corrupt_lines, stats.calls) == (1, len(lines) - 1)
+    assert json.loads(lines[i])["id"] not in {e for ids in df["exchange_ids"] for e in ids}
+    assert parse_record(bytearray(spliced)) is None and parse_record(bytearray(lines[i])) is not None
