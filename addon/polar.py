@@ -45,19 +45,21 @@ from addon import (
     health,
     native,
     proxy_errors,
+    record_v2,
     reroute,
     resent,
     responses,
     session,
     translating,
 )
-from addon.record import FORMAT_VERSION, Body, Exchange, merge_fields
+from addon.record import Body, Exchange, merge_fields
 from addon.writer import CaptureWriter
 
 log = logging.getLogger(__name__)
 
 UPSTREAMS = ("vllm", "sglang", "plain")
 TRANSLATE = ("auto", "never")
+FORMATS = (1, record_v2.FORMAT_VERSION)
 METADATA_KEY = "polar"
 CAP_KEY = "polar.cap"  # (models URL, model) of a call whose output cap the addon checked
 SALT_FILE = ".session-salt"
@@ -149,6 +151,13 @@ class Polar:
             "Cut max_tokens / max_completion_tokens beyond the upstream model's context (its /models "
             "max_model_len) to that context before sending: vLLM refuses a larger cap (addon/clamp.py).",
         )
+        loader.add_option(
+            "polar_format",
+            int,
+            record_v2.FORMAT_VERSION,
+            "Capture format: 2 (a request stored as what is new since the session's previous one, bodies "
+            "compressed; addon/record_v2.py) or 1 (every record whole, as JSON; addon/record.py).",
+        )
         loader.add_option("polar_fsync", bool, False, "fsync each batch of records (survives power loss; slower).")
         loader.add_option(
             "polar_rotate_mb", int, 256, "Start a new capture file once the current one passes this size (MiB)."
@@ -194,7 +203,9 @@ class Polar:
         self.clamp = opts.polar_clamp_max_tokens
         self.translate = opts.polar_translate == "auto" and self.upstream != "plain"
         self.native_options = native.Options(model=opts.polar_model, upstream=self.upstream)
-        if updated & {"polar_dir", "polar_fsync", "polar_rotate_mb"}:
+        if "polar_format" in updated and opts.polar_format not in FORMATS:
+            raise exceptions.OptionsError(f"polar_format must be 1 or 2, not {opts.polar_format!r}")
+        if updated & {"polar_dir", "polar_fsync", "polar_rotate_mb", "polar_format"}:
             directory = Path(opts.polar_dir)
             if directory.exists() and not directory.is_dir():
                 raise exceptions.OptionsError(f"polar_dir {opts.polar_dir!r} exists and is not a folder")
@@ -206,6 +217,7 @@ class Polar:
                 rotate_bytes=opts.polar_rotate_mb << 20,
                 fsync=opts.polar_fsync,
                 decode_content=self.decode_content,
+                format_version=opts.polar_format,
             )
             self._salt = None
 
@@ -256,13 +268,14 @@ class Polar:
         return {
             "loaded": True,
             "proof": health.proof(nonce) if nonce is not None else None,
-            "format_version": FORMAT_VERSION,
+            "format_version": opts.polar_format,
             "options": {
                 "polar_dir": str(Path(opts.polar_dir).resolve()),
                 "polar_upstream": opts.polar_upstream,
                 "polar_translate": opts.polar_translate,
                 "polar_model": opts.polar_model,
                 "polar_upstream_key_set": bool(opts.polar_upstream_key),
+                "polar_format": opts.polar_format,
                 "polar_fsync": opts.polar_fsync,
                 "polar_rotate_mb": opts.polar_rotate_mb,
                 "polar_backlog_mb": opts.polar_backlog_mb,

@@ -296,17 +296,38 @@ class Exchange:
     written: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One finished call as a record holds it, in any format: the head members in v1's order (``v`` left out) and
+    the two request bodies as the line holds them (``upstream_request`` ``b"null"`` when there is none)."""
+
+    head: dict[str, Any]
+    request: bytes
+    upstream_request: bytes
+
+
 def encode(ex: Exchange, decode_content: Any) -> bytes:
-    """One record line for ``ex``. ``decode_content(bytes, encoding) -> bytes`` undoes gzip & co."""
+    """One v1 record line for ``ex``. ``decode_content(bytes, encoding) -> bytes`` undoes gzip & co."""
     return b"".join(encode_parts(ex, decode_content))
 
 
 def encode_parts(ex: Exchange, decode_content: Any) -> tuple[bytes, ...]:
-    """The record line for ``ex`` in pieces whose concatenation is the line: the request bodies are
-    the very bytes the exchange holds, so a 50 MB prompt is written (``os.writev``) without a copy.
+    """The v1 record line for ``ex`` in pieces whose concatenation is the line (:func:`v1_parts`)."""
+    return v1_parts(to_record(ex, decode_content))
 
-    Runs on the writer thread: the event loop never serialises bodies.
-    """
+
+def v1_parts(record: Record) -> tuple[bytes, ...]:
+    """The v1 line of ``record`` in pieces: the request bodies are the very bytes the exchange holds, so a 50 MB
+    prompt is written (``os.writev``) without a copy. Its checksum and newline end it."""
+    head = json.dumps({"v": FORMAT_VERSION, **record.head}, ensure_ascii=False).encode("utf-8")
+    # The request bodies go last, spliced in as the bytes they arrived as; the checksum of all that ends the line.
+    parts = (head[:-1] + b', "request": ', record.request, b', "upstream_request": ', record.upstream_request)
+    return (*parts, crc_tail(parts))
+
+
+def to_record(ex: Exchange, decode_content: Any) -> Record:
+    """What the record of ``ex`` holds, in any format. Runs on the writer thread: the event loop never serialises
+    bodies."""
     body = b"".join(ex.chunks)
     error = ex.error
     if ex.content_encoding and body:
@@ -321,7 +342,6 @@ def encode_parts(ex: Exchange, decode_content: Any) -> tuple[bytes, ...]:
         except UnicodeDecodeError:
             response_b64 = base64.b64encode(body).decode("ascii")
     head = {
-        "v": FORMAT_VERSION,
         "id": ex.id,
         "session_id": ex.session_id,
         "session_source": ex.session_source,
@@ -347,14 +367,8 @@ def encode_parts(ex: Exchange, decode_content: Any) -> tuple[bytes, ...]:
         "response_b64": response_b64,
         "response_body": response_body,
     }
-    # The request bodies go last, spliced in as the bytes they arrived as; the checksum of all that ends the line.
-    parts = (
-        json.dumps(head, ensure_ascii=False).encode("utf-8")[:-1] + b', "request": ',
-        _json_bytes(ex.request),
-        b', "upstream_request": ',
-        _json_bytes(ex.upstream_request) if ex.upstream_request else b"null",
-    )
-    return (*parts, crc_tail(parts))
+    upstream = _json_bytes(ex.upstream_request) if ex.upstream_request else b"null"
+    return Record(head, _json_bytes(ex.request), upstream)
 
 
 def crc_tail(parts: tuple[bytes, ...]) -> bytes:

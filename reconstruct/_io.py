@@ -16,6 +16,7 @@ from typing import Any
 
 import polars as pl
 
+from addon import record_v2
 from reconstruct._errors import CaptureError, ConfigError
 from reconstruct._json import dumps, loads, loads_like_upstream
 from reconstruct._lines import HEAD_BYTES, RECORD_START, LineIndexer, LineRef, parse_head
@@ -34,7 +35,7 @@ __all__ = [
 BLOCK = 8 << 20
 _SESSION_KEY = b'", "session_id": "'  # in every record head, right after the record id (see _Cuts)
 
-FORMAT_VERSION = 1  # of capture records (addon/record.py)
+FORMAT_VERSIONS = (1, record_v2.FORMAT_VERSION)  # of capture records (addon/record.py, addon/record_v2.py)
 
 
 def discover(paths: list[Path]) -> list[Path]:
@@ -60,6 +61,7 @@ class IndexCounts:
     unsupported: int = 0  # records of another format version
     duplicates: int = 0  # records whose id an earlier line already had (a copied capture file): skipped
     glued: int = 0  # lines holding more than one record (a torn line the next record was appended to): split
+    unresolved: int = 0  # v2 records whose base record was torn, lost or corrupt: skipped (addon/record_v2.py)
 
 
 class _Cuts:
@@ -186,7 +188,7 @@ class CaptureIndex:
             if record is None:
                 return
             version, record_id, session = record.get("v"), record.get("id"), record.get("session_id")
-        if version != FORMAT_VERSION or not isinstance(session, str):
+        if version not in FORMAT_VERSIONS or not isinstance(session, str):
             self.counts.unsupported += 1
             return
         if isinstance(record_id, str):
@@ -197,17 +199,30 @@ class CaptureIndex:
         self.sessions.setdefault(session, []).append((number, offset, length))
 
     def _parse(self, line: bytes | bytearray) -> dict[str, Any] | None:
-        record = parse_record(bytearray(line) if isinstance(line, bytes) else line)
+        """The record of a line: v1 as ``parse_record`` reads it, v2 as it is (see :meth:`records`)."""
+        line = bytearray(line) if isinstance(line, bytes) else line
+        record = parse_v2(line) if line.startswith(record_v2.V2_START) else parse_record(line)
         if record is None:
             self.counts.corrupt += 1
         return record
 
     def records(self, session: str) -> Iterator[dict[str, Any]]:
-        """The session's records, in file order; a line that does not parse is counted and skipped."""
+        """The session's records, in file order, each as its v1 record (a v2 one expanded: addon/record_v2.py); a
+        line that does not parse is counted and skipped, as is a v2 record whose base was not read before it."""
+        expander = record_v2.Expander()
         for number, offset, length in self.sessions.get(session, []):
             line = bytearray(length)
             os.preadv(self._fds[number], [line], offset)
             record = self._parse(line)
+            if record is not None and record.get("v") == record_v2.FORMAT_VERSION:
+                try:
+                    record = parse_record(bytearray(expander.expand(record)))
+                except record_v2.Unresolved:
+                    self.counts.unresolved += 1
+                    continue
+                except ValueError:
+                    self.counts.corrupt += 1
+                    continue
             if record is not None:
                 yield record
 
@@ -307,6 +322,18 @@ def parse_record(line: bytearray) -> dict[str, Any] | None:
             return CaptureRecord(head, memoryview(line)[cut + 1 :], ids)
     try:
         record = loads_like_upstream(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def parse_v2(line: bytearray) -> dict[str, Any] | None:
+    """A v2 record line as it is (``Expander.expand`` makes it the v1 record it stands for); None when it does not
+    parse or fails its checksum."""
+    if not _checksum_holds(line):
+        return None
+    try:
+        record = loads(line)
     except ValueError:
         return None
     return record if isinstance(record, dict) else None

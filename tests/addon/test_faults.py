@@ -21,6 +21,7 @@ from addon import polar, writer
 from addon.record import ELIDED, Exchange
 from addon.session import resolve
 from tests.addon.test_polar import make_chat_flow, read_records, run_exchange, set_response
+from tests.captures import v1_bytes
 
 SALT = b"salt"
 
@@ -56,6 +57,7 @@ def wait_for(condition, timeout=60.0):
 
 
 def lines_of(directory):
+    """The capture files' bytes as they are on disk (a v2 record's bodies compressed: search secrets in v1_bytes)."""
     return b"".join(p.read_bytes() for p in sorted(directory.glob("*.jsonl")))
 
 
@@ -299,6 +301,7 @@ def test_secret_session_ids_and_query_keys_never_reach_disk(addon, tctx, tmp_pat
     records = read_records(tmp_path / "captures")
     assert len(records) == len(cases)
     assert {r["session_source"] for r in records[:5] + records[6:]} == {"key_hash"}
+    assert secret.encode() not in v1_bytes(tmp_path / "captures")  # nor in any body a v2 record compresses
     for f in (tmp_path / "captures").iterdir():
         assert secret.encode() not in f.read_bytes(), f
 
@@ -416,7 +419,7 @@ def test_issue27_invalid_session_ids_get_a_session_each_not_anonymous(addon, tct
     records = read_records(tmp_path / "captures")
     assert [r["session_source"] for r in records] == ["id_hash", "id_hash"]
     assert records[0]["session_id"] != records[1]["session_id"]
-    assert given.encode() not in lines_of(tmp_path / "captures")
+    assert given.encode() not in v1_bytes(tmp_path / "captures")
 
 
 def gzip_bomb(size):

@@ -1,0 +1,182 @@
+"""Capture format v2: a record in bytes close to what is new in its call, and the v1 record it stands for.
+
+A v1 record (addon/record.py) holds everything that crossed the wire, again for every call: a session that resends
+its history is recorded in bytes that grow with the square of its length, and a streamed answer costs ~330 bytes a
+sampled token (one SSE chunk each). A v2 record stands for exactly one v1 record, byte for byte
+(:func:`Expander.expand`), but stores a request that extends the session's previous one as the number of bytes
+they share plus what is new, and everything bulky compressed with ``zlib`` (issue 27). Standard library only.
+
+Files are v1's (addon/record.py): append-only, ``O_EXCL``, mode 0600, one line per record, ``\\n`` only, rotated.
+A file may hold v1 and v2 records; readers take both.
+
+Record, format version 2
+------------------------
+The head is v1's, in v1's order and meaning, up to ``clamped``; then:
+
+=====================  ==========================================================================
+field                  meaning
+=====================  ==========================================================================
+``v``                  format version, ``2``
+``id`` ... ``clamped`` as in v1: ``id``, ``session_id``, ``session_source``, ``api``, ``upstream``,
+                       ``method``, ``path``, ``status``, ``streamed``, ``t_start``, ``t_first_byte``,
+                       ``t_end``, ``complete``, ``error``, ``request_headers``, ``response_headers``,
+                       ``injected``, ``translated``, ``constrained``, ``clamped``
+``base``               null for a full record; else the ``id`` of the session's previous record in
+                       this file, whose request bodies this one's extend
+``request_keep``       bytes of the base record's ``request`` (as the v1 line holds it) that this
+                       record's ``request`` starts with; 0 in a full record
+``upstream_keep``      the same for ``upstream_request`` (``null`` counts as the 4 bytes ``null``)
+``sizes``              ``[tail, request]``: byte lengths of the first two parts of ``z``
+``z``                  base64 of the ``zlib`` stream of three parts, one after the other: the v1
+                       line's ``"chunks": ..., "request_raw": ..., "response_b64": ...,
+                       "response_body": ...`` members as a JSON object (``tail``); the request's
+                       bytes after ``request_keep``; the upstream request's bytes after
+                       ``upstream_keep``
+``crc``                as in v1: CRC-32 of the line's bytes before it, the last member
+=====================  ==========================================================================
+
+The v1 line a v2 record stands for is its head (``v`` 1) with the ``tail`` members, then ``"request": `` base
+request's first ``request_keep`` bytes and the new ones, ``"upstream_request": `` likewise, then its own ``crc``.
+
+Damage stays bounded. A session's record is full (``base`` null) when it is the session's first in its file or
+its previous full one is :data:`FULL_EVERY` records back, so a torn or lost record (``kill -9``, a full disk) takes
+at most ``FULL_EVERY - 1`` later records of that one session with it. A reader keeps the last record it rebuilt of
+each session and takes a delta record only when its ``base`` is that record: else the record is unresolved,
+counted, never rebuilt on the wrong base.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import zlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from addon.record import Record, crc_tail, v1_parts
+
+FORMAT_VERSION = 2
+V2_START = b'{"v": 2, '  # how every v2 line starts (the writer's layout)
+FULL_EVERY = 16  # a session's record is full at least this often (the damage bound above)
+LEVEL = 1  # zlib level: SSE repeats itself within a record, so level 1 keeps most of the gain for a third of the CPU
+# The v1 head's members in order, up to the ones v2 keeps in ``z`` (addon/record.py ``encode_parts``).
+HEAD_KEYS = (
+    "id", "session_id", "session_source", "api", "upstream", "method", "path", "status", "streamed", "t_start",
+    "t_first_byte", "t_end", "complete", "error", "request_headers", "response_headers", "injected", "translated",
+    "constrained", "clamped",
+)  # fmt: skip
+TAIL_KEYS = ("chunks", "request_raw", "response_b64", "response_body")
+
+
+class Unresolved(ValueError):
+    """A delta record whose base record is not the session's previous one read (torn, lost or out of order)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Last:
+    id: str
+    request: bytes
+    upstream_request: bytes
+    since_full: int  # records since the session's last full one
+
+
+class Encoder:
+    """A writer's v2 encoder for one file: each session's previous record in it, to refer to."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, _Last] = {}
+
+    def snapshot(self) -> dict[str, _Last]:
+        return dict(self._last)
+
+    def restore(self, snapshot: dict[str, _Last]) -> None:
+        """Back to a :meth:`snapshot` (lines encoded after it did not reach the file)."""
+        self._last = snapshot
+
+    def encode(self, record: Record) -> tuple[bytes, ...]:
+        """The v2 line of ``record`` in pieces (checksum and newline included); it becomes its session's last."""
+        session = record.head["session_id"]
+        last = self._last.get(session)
+        full = last is None or last.since_full + 1 >= FULL_EVERY
+        keep = 0 if full or last is None else shared_prefix(last.request, record.request)
+        up_keep = 0 if full or last is None else shared_prefix(last.upstream_request, record.upstream_request)
+        tail = json.dumps({k: record.head[k] for k in TAIL_KEYS}, ensure_ascii=False).encode("utf-8")
+        request_new = memoryview(record.request)[keep:]
+        z = zlib.compressobj(LEVEL)
+        packed = b"".join(
+            (z.compress(tail), z.compress(request_new), z.compress(memoryview(record.upstream_request)[up_keep:]))
+        )
+        packed += z.flush()
+        head = {"v": FORMAT_VERSION, **{k: record.head[k] for k in HEAD_KEYS}}
+        head |= {
+            "base": None if full or last is None else last.id,
+            "request_keep": keep,
+            "upstream_keep": up_keep,
+            "sizes": [len(tail), len(request_new)],
+            "z": base64.b64encode(packed).decode("ascii"),
+        }
+        line = (json.dumps(head, ensure_ascii=False).encode("utf-8")[:-1],)
+        since = 0 if full or last is None else last.since_full + 1
+        self._last[session] = _Last(record.head["id"], record.request, record.upstream_request, since)
+        return (*line, crc_tail(line))
+
+
+class Expander:
+    """A reader's side: v2 records (parsed, checksum checked) back to the v1 records they stand for. Feed each
+    session's records in file order; one Expander may serve many sessions and files."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[str, bytes, bytes]] = {}  # session -> (id, request, upstream_request)
+
+    def expand(self, v2: dict[str, Any]) -> bytes:
+        """The v1 line (no newline) that the v2 record ``v2`` stands for; :class:`Unresolved` when its base is not
+        the session's last record fed, ``ValueError`` naming the field when it is malformed."""
+        session, base = v2.get("session_id"), v2.get("base")
+        if not isinstance(session, str):
+            raise ValueError("a v2 record without a session_id")
+        last = self._last.pop(session, None)  # a record that fails leaves the session without a base
+        if base is not None and (last is None or last[0] != base):
+            raise Unresolved(f"record {v2.get('id')}: its base record {base} was not read before it (torn or lost)")
+        if base is None:
+            last = None
+        try:
+            sizes, keep, up_keep = v2["sizes"], v2["request_keep"], v2["upstream_keep"]
+            data = zlib.decompress(base64.b64decode(v2["z"], validate=True))
+        except (KeyError, TypeError, zlib.error, ValueError) as e:
+            raise ValueError(f"record {v2.get('id')}: malformed v2 fields (sizes, request_keep, z): {e}") from e
+        tail_end, request_end = sizes[0], sizes[0] + sizes[1]
+        request = (last[1][:keep] if last else b"") + data[tail_end:request_end]
+        upstream = (last[2][:up_keep] if last else b"") + data[request_end:]
+        if last is None and (keep or up_keep):
+            raise ValueError(f"record {v2.get('id')}: a full record that keeps bytes of a base")
+        head = {k: v2.get(k) for k in HEAD_KEYS}
+        head |= json.loads(data[:tail_end])
+        record = Record(head, request, upstream)
+        self._last[session] = (v2["id"], request, upstream)
+        return b"".join(v1_parts(record))[:-1]
+
+
+def shared_prefix(old: bytes, new: bytes) -> int:
+    """How many first bytes ``new`` shares with ``old``: a binary search of ``startswith`` (memcmp speed)."""
+    view = memoryview(old)
+    hi = min(len(old), len(new))
+    if new.startswith(view[:hi]):
+        return hi
+    lo = 0  # new starts with old[:lo]; not with old[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if new.startswith(view[:mid]):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def expand_lines(lines: Iterable[bytes]) -> Iterator[bytes]:
+    """A file's record lines, in order, as the v1 lines they stand for (no newline): v1 lines as they are, v2 ones
+    expanded. For tools and tests; ``python -m reconstruct expand`` also checks each line and counts what it skips.
+    :class:`Unresolved` or ``ValueError`` on a v2 line that cannot be expanded."""
+    expander = Expander()
+    for line in lines:
+        yield expander.expand(json.loads(line)) if line.startswith(V2_START) else line
