@@ -22,7 +22,9 @@ from reconstruct import (
     write_trajectories,
 )
 from reconstruct._build import parse_shard
+from reconstruct._expand import expand_captures
 from reconstruct._io import CaptureRecord, parse_record
+from tests.captures import v1_lines
 from tests.reconstruct.conftest import EXPECTED_CALLS, S, oracle
 
 
@@ -37,7 +39,7 @@ def folder(captures, tmp_path_factory):
     line, a record of a future format version, a non-model call and a torn last line."""
     out = tmp_path_factory.mktemp("rotated")
     (path,) = captures.vllm_dir.glob("*.jsonl")
-    lines = path.read_bytes().split(b"\n")[:-1]
+    lines = v1_lines(captures.vllm_dir)  # damage is made on v1 lines; the plain calls stay v2 (a mixed run)
     half = len(lines) // 2
     future = unsealed_record(lines[0])
     future["v"], future["id"] = 99, "f" * 32
@@ -202,7 +204,7 @@ def unsealed_record(line):
 
 def _vllm_lines(captures):
     (path,) = captures.vllm_dir.glob("*.jsonl")
-    return path.name, path.read_bytes().split(b"\n")[:-1]
+    return path.name, v1_lines(captures.vllm_dir)  # as v1 lines, which these tests damage byte by byte
 
 
 @pytest.fixture(scope="module")
@@ -321,3 +323,23 @@ def test_issue27_a_line_spliced_from_two_records_fails_its_checksum(captures, re
     assert (stats.corrupt_lines, stats.calls) == (1, len(lines) - 1)
     assert json.loads(lines[i])["id"] not in {e for ids in df["exchange_ids"] for e in ids}
     assert parse_record(bytearray(spliced)) is None and parse_record(bytearray(lines[i])) is not None
+
+
+@pytest.mark.slow
+def test_issue27_v1_v2_and_mixed_captures_give_the_same_parquet_bytes(captures, tokenizer, tmp_path):
+    """The fixture's captures are v2 (the addon's default); expanded back to v1, and half of them, they give the
+    same file byte for byte."""
+    v2 = [captures.vllm_dir, captures.plain_dir]
+    assert all(
+        line.startswith(b'{"v": 2, ')
+        for line in b"".join(p.read_bytes() for d in v2 for p in d.glob("*.jsonl")).split(b"\n")[:-1]
+    )
+    v1 = [tmp_path / "v1" / "vllm", tmp_path / "v1" / "plain"]
+    for source, target in zip(v2, v1, strict=True):
+        counts = expand_captures([source], target)
+        assert counts.expanded == counts.lines and counts.corrupt == counts.unresolved == counts.torn == 0
+    outputs = []
+    for name, folders in (("v2", v2), ("v1", v1), ("mixed", [v2[0], v1[1]])):
+        df, stats = reconstruct(folders, tokenizer=tokenizer)
+        outputs.append(write_trajectories(df, stats, tmp_path / f"{name}.parquet").read_bytes())
+    assert outputs[0] == outputs[1] == outputs[2]
