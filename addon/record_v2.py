@@ -26,10 +26,15 @@ field                  meaning
 ``request_keep``       bytes of the base record's ``request`` (as the v1 line holds it) that this
                        record's ``request`` starts with; 0 in a full record
 ``upstream_keep``      the same for ``upstream_request`` (``null`` counts as the 4 bytes ``null``)
+``prompt_keep``        bytes of the base record's prompt id array (the first ``"prompt_token_ids":[``
+                       in its response body, up to ``]``: a vLLM answer repeats the whole prompt's
+                       ids) that this record's array starts with; they are left out of ``tail``, right
+                       after that key
 ``sizes``              ``[tail, request]``: byte lengths of the first two parts of ``z``
 ``z``                  base64 of the ``zlib`` stream of three parts, one after the other: the v1
                        line's ``"chunks": ..., "request_raw": ..., "response_b64": ...,
-                       "response_body": ...`` members as a JSON object (``tail``); the request's
+                       "response_body": ...`` members as a JSON object (``tail``, less the kept
+                       prompt ids); the request's
                        bytes after ``request_keep``; the upstream request's bytes after
                        ``upstream_keep``
 ``crc``                as in v1: CRC-32 of the line's bytes before it, the last member
@@ -75,10 +80,13 @@ class Unresolved(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class _Last:
+    """What a session's next record may refer to: its previous record's id and the bytes it extends."""
+
     id: str
     request: bytes
     upstream_request: bytes
-    since_full: int  # records since the session's last full one
+    prompt_ids: bytes  # the answer's prompt id array as the tail holds it (b"" when none)
+    since_full: int = 0  # records since the session's last full one
 
 
 class Encoder:
@@ -98,10 +106,16 @@ class Encoder:
         """The v2 line of ``record`` in pieces (checksum and newline included); it becomes its session's last."""
         session = record.head["session_id"]
         last = self._last.get(session)
-        full = last is None or last.since_full + 1 >= FULL_EVERY
-        keep = 0 if full or last is None else shared_prefix(last.request, record.request)
-        up_keep = 0 if full or last is None else shared_prefix(last.upstream_request, record.upstream_request)
+        if last is not None and last.since_full + 1 >= FULL_EVERY:
+            last = None  # a full record
         tail = json.dumps({k: record.head[k] for k in TAIL_KEYS}, ensure_ascii=False).encode("utf-8")
+        span = prompt_span(tail)
+        prompt_ids = tail[span[0] : span[1]] if span else b""
+        keep = shared_prefix(last.request, record.request) if last else 0
+        up_keep = shared_prefix(last.upstream_request, record.upstream_request) if last else 0
+        prompt_keep = shared_prefix(last.prompt_ids, prompt_ids) if last and span else 0
+        if span and prompt_keep:
+            tail = tail[: span[0]] + tail[span[0] + prompt_keep :]
         request_new = memoryview(record.request)[keep:]
         z = zlib.compressobj(LEVEL)
         packed = b"".join(
@@ -110,15 +124,16 @@ class Encoder:
         packed += z.flush()
         head = {"v": FORMAT_VERSION, **{k: record.head[k] for k in HEAD_KEYS}}
         head |= {
-            "base": None if full or last is None else last.id,
+            "base": last.id if last else None,
             "request_keep": keep,
             "upstream_keep": up_keep,
+            "prompt_keep": prompt_keep,
             "sizes": [len(tail), len(request_new)],
             "z": base64.b64encode(packed).decode("ascii"),
         }
         line = (json.dumps(head, ensure_ascii=False).encode("utf-8")[:-1],)
-        since = 0 if full or last is None else last.since_full + 1
-        self._last[session] = _Last(record.head["id"], record.request, record.upstream_request, since)
+        since = last.since_full + 1 if last else 0
+        self._last[session] = _Last(record.head["id"], record.request, record.upstream_request, prompt_ids, since)
         return (*line, crc_tail(line))
 
 
@@ -127,34 +142,55 @@ class Expander:
     session's records in file order; one Expander may serve many sessions and files."""
 
     def __init__(self) -> None:
-        self._last: dict[str, tuple[str, bytes, bytes]] = {}  # session -> (id, request, upstream_request)
+        self._last: dict[str, _Last] = {}
 
     def expand(self, v2: dict[str, Any]) -> bytes:
         """The v1 line (no newline) that the v2 record ``v2`` stands for; :class:`Unresolved` when its base is not
         the session's last record fed, ``ValueError`` naming the field when it is malformed."""
-        session, base = v2.get("session_id"), v2.get("base")
-        if not isinstance(session, str):
-            raise ValueError("a v2 record without a session_id")
+        session, base, rid = v2.get("session_id"), v2.get("base"), v2.get("id")
+        if not isinstance(session, str) or not isinstance(rid, str):
+            raise ValueError("a v2 record without a session_id or id")
         last = self._last.pop(session, None)  # a record that fails leaves the session without a base
-        if base is not None and (last is None or last[0] != base):
-            raise Unresolved(f"record {v2.get('id')}: its base record {base} was not read before it (torn or lost)")
+        if base is not None and (last is None or last.id != base):
+            raise Unresolved(f"record {rid}: its base record {base} was not read before it (torn or lost)")
         if base is None:
             last = None
         try:
-            sizes, keep, up_keep = v2["sizes"], v2["request_keep"], v2["upstream_keep"]
+            sizes, keeps = v2["sizes"], (v2["request_keep"], v2["upstream_keep"], v2.get("prompt_keep", 0))
             data = zlib.decompress(base64.b64decode(v2["z"], validate=True))
-        except (KeyError, TypeError, zlib.error, ValueError) as e:
-            raise ValueError(f"record {v2.get('id')}: malformed v2 fields (sizes, request_keep, z): {e}") from e
-        tail_end, request_end = sizes[0], sizes[0] + sizes[1]
-        request = (last[1][:keep] if last else b"") + data[tail_end:request_end]
-        upstream = (last[2][:up_keep] if last else b"") + data[request_end:]
-        if last is None and (keep or up_keep):
-            raise ValueError(f"record {v2.get('id')}: a full record that keeps bytes of a base")
-        head = {k: v2.get(k) for k in HEAD_KEYS}
-        head |= json.loads(data[:tail_end])
-        record = Record(head, request, upstream)
-        self._last[session] = (v2["id"], request, upstream)
-        return b"".join(v1_parts(record))[:-1]
+            tail_end, request_end = sizes[0], sizes[0] + sizes[1]
+            if last is None and any(keeps):
+                raise ValueError("a full record keeps bytes of a base")
+        except (KeyError, TypeError, IndexError, zlib.error, ValueError) as e:
+            raise ValueError(f"record {rid}: malformed v2 fields (sizes, *_keep, z): {e}") from e
+        tail = data[:tail_end]
+        if keeps[2]:
+            assert last is not None  # a full record keeps nothing (checked above)
+            start = _prompt_start(tail)
+            tail = tail[:start] + last.prompt_ids[: keeps[2]] + tail[start:]
+        span = prompt_span(tail)
+        request = (last.request[: keeps[0]] if last else b"") + data[tail_end:request_end]
+        upstream = (last.upstream_request[: keeps[1]] if last else b"") + data[request_end:]
+        head = {k: v2.get(k) for k in HEAD_KEYS} | json.loads(tail)
+        self._last[session] = _Last(rid, request, upstream, tail[span[0] : span[1]] if span else b"")
+        return b"".join(v1_parts(Record(head, request, upstream)))[:-1]
+
+
+# The prompt id array of a vLLM answer, in the tail's JSON (inside the response body's string: quotes escaped).
+_PROMPT_KEY = b'\\"prompt_token_ids\\":['
+
+
+def _prompt_start(tail: bytes) -> int:
+    at = tail.find(_PROMPT_KEY)
+    return -1 if at < 0 else at + len(_PROMPT_KEY)
+
+
+def prompt_span(tail: bytes) -> tuple[int, int] | None:
+    """Where the first prompt id array's digits lie in ``tail`` (between its brackets); None when there is none.
+    A session's calls resend their history, so each answer's prompt ids extend the previous answer's."""
+    start = _prompt_start(tail)
+    stop = tail.find(b"]", start) if start >= 0 else -1
+    return (start, stop) if stop >= 0 else None
 
 
 def shared_prefix(old: bytes, new: bytes) -> int:
