@@ -55,6 +55,7 @@ from __future__ import annotations
 import base64
 import json
 import zlib
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +65,7 @@ from addon.record import Record, crc_tail, v1_parts
 FORMAT_VERSION = 2
 V2_START = b'{"v": 2, '  # how every v2 line starts (the writer's layout)
 FULL_EVERY = 16  # a session's record is full at least this often (the damage bound above)
+KEEP_BYTES = 256 << 20  # a writer's last records across sessions (~2,000 sessions of 30K-token contexts)
 LEVEL = 1  # zlib level: SSE repeats itself within a record, so level 1 keeps most of the gain for a third of the CPU
 # The v1 head's members in order, up to the ones v2 keeps in ``z`` (addon/record.py ``encode_parts``).
 HEAD_KEYS = (
@@ -88,19 +90,34 @@ class _Last:
     prompt_ids: bytes  # the answer's prompt id array as the tail holds it (b"" when none)
     since_full: int = 0  # records since the session's last full one
 
+    @property
+    def size(self) -> int:
+        return len(self.request) + len(self.upstream_request) + len(self.prompt_ids)
+
 
 class Encoder:
-    """A writer's v2 encoder for one file: each session's previous record in it, to refer to."""
+    """A writer's v2 encoder for one file: each session's previous record in it, to refer to. At most ``keep_bytes``
+    of them are kept, the sessions seen least recently dropped first: a dropped session's next record is full."""
 
-    def __init__(self) -> None:
-        self._last: dict[str, _Last] = {}
+    def __init__(self, keep_bytes: int = KEEP_BYTES) -> None:
+        self.keep_bytes = keep_bytes
+        self._last: OrderedDict[str, _Last] = OrderedDict()
+        self._bytes = 0
 
-    def snapshot(self) -> dict[str, _Last]:
-        return dict(self._last)
+    def snapshot(self) -> tuple[OrderedDict[str, _Last], int]:
+        return OrderedDict(self._last), self._bytes
 
-    def restore(self, snapshot: dict[str, _Last]) -> None:
+    def restore(self, snapshot: tuple[OrderedDict[str, _Last], int]) -> None:
         """Back to a :meth:`snapshot` (lines encoded after it did not reach the file)."""
-        self._last = snapshot
+        self._last, self._bytes = OrderedDict(snapshot[0]), snapshot[1]
+
+    def _remember(self, session: str, last: _Last) -> None:
+        if (old := self._last.pop(session, None)) is not None:
+            self._bytes -= old.size
+        self._last[session] = last
+        self._bytes += last.size
+        while self._bytes > self.keep_bytes and self._last:
+            self._bytes -= self._last.popitem(last=False)[1].size
 
     def encode(self, record: Record) -> tuple[bytes, ...]:
         """The v2 line of ``record`` in pieces (checksum and newline included); it becomes its session's last."""
@@ -133,7 +150,7 @@ class Encoder:
         }
         line = (json.dumps(head, ensure_ascii=False).encode("utf-8")[:-1],)
         since = last.since_full + 1 if last else 0
-        self._last[session] = _Last(record.head["id"], record.request, record.upstream_request, prompt_ids, since)
+        self._remember(session, _Last(record.head["id"], record.request, record.upstream_request, prompt_ids, since))
         return (*line, crc_tail(line))
 
 

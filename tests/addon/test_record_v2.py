@@ -102,3 +102,14 @@ def test_a_malformed_v2_record_is_an_error_naming_the_field():
     record["z"] = "not base64!"
     with pytest.raises(ValueError, match="malformed v2 fields"):
         record_v2.Expander().expand(record)
+
+
+def test_the_encoder_keeps_a_bounded_number_of_bytes_and_a_dropped_session_starts_full():
+    rng = random.Random(5)
+    exchanges = [ex for pair in zip(session(rng, 3), session(rng, 3, sid="s2"), strict=True) for ex in pair]
+    records = [to_record(ex, decode) for ex in exchanges]
+    encoder = record_v2.Encoder(keep_bytes=len(records[0].request) + len(records[1].request) // 2)  # one session
+    lines = [json.loads(b"".join(encoder.encode(r))) for r in records]
+    assert [r["base"] is None for r in lines] == [True] * 6  # s1 and s2 push each other out
+    expander = record_v2.Expander()
+    assert [expander.expand(r) + b"\n" for r in lines] == [encode(ex, decode) for ex in exchanges]
