@@ -33,6 +33,12 @@ def v1_lines(directory):
     ]
 
 
+def session_lines(directory, session):
+    """A session's record lines as they are (v1; a v2 record expanded), in file order: what a test copies into a
+    capture of its own (re-serialised records would fail their checksum)."""
+    return [line for line in v1_lines(directory) if json.loads(line)["session_id"] == session]
+
+
 def v1_bytes(directory):
     """All of ``directory``'s records as v1 lines, joined: a secret searched here is searched in every body."""
     return b"\n".join(v1_lines(directory))
