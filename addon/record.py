@@ -320,8 +320,14 @@ def v1_parts(record: Record) -> tuple[bytes, ...]:
     """The v1 line of ``record`` in pieces: the request bodies are the very bytes the exchange holds, so a 50 MB
     prompt is written (``os.writev``) without a copy. Its checksum and newline end it."""
     head = json.dumps({"v": FORMAT_VERSION, **record.head}, ensure_ascii=False).encode("utf-8")
-    # The request bodies go last, spliced in as the bytes they arrived as; the checksum of all that ends the line.
-    parts = (head[:-1] + b', "request": ', record.request, b', "upstream_request": ', record.upstream_request)
+    return v1_line_parts(head, record.request, record.upstream_request)
+
+
+def v1_line_parts(head: bytes, request: bytes, upstream_request: bytes) -> tuple[bytes, ...]:
+    """The v1 line from its head object's JSON (``{"v": 1, ...}``, every member but the request bodies) and the
+    bodies' bytes. The request bodies go last, spliced in as the bytes they arrived as; the checksum of all that
+    ends the line."""
+    parts = (head[:-1] + b', "request": ', request, b', "upstream_request": ', upstream_request)
     return (*parts, crc_tail(parts))
 
 

@@ -60,7 +60,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from addon.record import Record, crc_tail, v1_parts
+from addon.record import Record, crc_tail, v1_line_parts
 
 FORMAT_VERSION = 2
 V2_START = b'{"v": 2, '  # how every v2 line starts (the writer's layout)
@@ -188,9 +188,13 @@ class Expander:
         span = prompt_span(tail)
         request = (last.request[: keeps[0]] if last else b"") + data[tail_end:request_end]
         upstream = (last.upstream_request[: keeps[1]] if last else b"") + data[request_end:]
-        head = {k: v2.get(k) for k in HEAD_KEYS} | json.loads(tail)
+        if tail[:1] != b"{" or tail[-1:] != b"}":
+            raise ValueError(f"record {rid}: malformed v2 fields (z): its tail is not a JSON object")
         self._last[session] = _Last(rid, request, upstream, tail[span[0] : span[1]] if span else b"")
-        return b"".join(v1_parts(Record(head, request, upstream)))[:-1]
+        # The tail's members are spliced in as the writer's JSON encoder wrote them: the very bytes v1 holds, and
+        # no decoding and encoding of a streamed answer's text again.
+        head = json.dumps({"v": 1, **{k: v2.get(k) for k in HEAD_KEYS}}, ensure_ascii=False).encode("utf-8")
+        return b"".join(v1_line_parts(head[:-1] + b", " + tail[1:], request, upstream))[:-1]
 
 
 # The prompt id array of a vLLM answer, in the tail's JSON (inside the response body's string: quotes escaped).

@@ -469,7 +469,9 @@ def test_issue27_a_gzip_bomb_request_is_answered_413_and_never_forwarded(addon, 
     assert record["error"]["kind"] == "request" and record["status"] == 413 and record["request"] is None
 
 
-def test_issue27_every_record_line_ends_with_the_crc32_of_its_bytes(addon, tctx, tmp_path):
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_issue27_every_record_line_ends_with_the_crc32_of_its_bytes(addon, tctx, tmp_path, fmt):
+    tctx.configure(addon, polar_format=fmt)
     for _ in range(3):
         run_exchange(addon, make_chat_flow(), [b'{"ok": true}'])
     addon.done()
@@ -487,7 +489,9 @@ def health_of(addon):
     return json.loads(flow.response.content)
 
 
-def test_issue27_a_capture_folder_removed_mid_run_refuses_calls_and_loses_no_record(addon, tctx, tmp_path, caplog):
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_issue27_a_capture_folder_removed_mid_run_refuses_calls_and_loses_no_record(addon, tctx, tmp_path, caplog, fmt):
+    tctx.configure(addon, polar_format=fmt)
     folder = tmp_path / "captures"
     run_exchange(addon, make_chat_flow(headers=((b"x-polar-session", b"before"),)), [b"{}"])
     wait_for(lambda: addon.writer.records_written == 1)
@@ -509,7 +513,9 @@ def test_issue27_a_capture_folder_removed_mid_run_refuses_calls_and_loses_no_rec
     assert [r["session_id"] for r in read_records(folder)] == ["in-flight"]
 
 
-def test_issue27_a_capture_file_removed_mid_run_goes_on_in_a_new_file(addon, tctx, tmp_path):
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_issue27_a_capture_file_removed_mid_run_goes_on_in_a_new_file(addon, tctx, tmp_path, fmt):
+    tctx.configure(addon, polar_format=fmt)
     folder = tmp_path / "captures"
     run_exchange(addon, make_chat_flow(), [b"{}"])
     wait_for(lambda: addon.writer.records_written == 1)

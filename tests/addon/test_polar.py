@@ -212,6 +212,10 @@ def test_bad_options_are_refused(addon, tctx):
         tctx.configure(addon, polar_upstream="tgi")
     with pytest.raises(OptionsError, match="polar_rotate_mb"):
         tctx.configure(addon, polar_rotate_mb=0)
+    with pytest.raises(OptionsError, match="polar_format must be 1 or 2"):
+        tctx.configure(addon, polar_format=3)
+    with pytest.raises(OptionsError, match="polar_max_decoded_mb must be at least 1"):
+        tctx.configure(addon, polar_max_decoded_mb=0)
 
 
 def test_hook_error_is_contained(addon, tctx, tmp_path, caplog, monkeypatch):

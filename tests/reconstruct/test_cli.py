@@ -1,5 +1,6 @@
 """reconstruct/__main__.py: the three commands, in process (main(argv)) and once as ``python -m reconstruct``."""
 
+import json
 import random
 import subprocess
 import sys
@@ -113,3 +114,17 @@ def test_issue27_expand_writes_the_v1_capture_of_the_same_calls_byte_for_byte(tm
     _, stats = reconstruct([tmp_path / "torn"])  # the reader counts the same, as a cause of lost calls
     assert (stats.corrupt_lines, stats.unresolved_records) == (1, 12)
     assert main(["expand", str(tmp_path / "v2"), "-o", str(tmp_path / "v2")]) == 2  # never over the captures
+
+
+def test_issue27_a_spliced_v2_line_fails_its_checksum(tmp_path):
+    rng = random.Random(1)
+    exchanges = [ex for pair in zip(session(rng, 2), session(rng, 2, sid="s2"), strict=True) for ex in pair]
+    lines = write_capture(tmp_path / "v2", exchanges, 2).read_bytes().split(b"\n")[:-1]
+    key = b', "z": '
+    spliced = lines[0][: lines[0].index(key)] + lines[1][lines[1].index(key) :]  # s1's head, s2's bodies
+    assert json.loads(spliced)["session_id"] == "s1"  # valid JSON: only the checksum tells
+    (tmp_path / "spliced").mkdir()
+    (tmp_path / "spliced" / "capture.jsonl").write_bytes(b"\n".join([spliced, *lines[2:]]) + b"\n")
+    _, stats = reconstruct([tmp_path / "spliced"])
+    # Both sessions' next records refer to a record that is gone (the splice took the place of both).
+    assert (stats.corrupt_lines, stats.unresolved_records) == (1, 2)
