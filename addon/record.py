@@ -323,12 +323,12 @@ def v1_parts(record: Record) -> tuple[bytes, ...]:
     return v1_line_parts(head, record.request, record.upstream_request)
 
 
-def v1_line_parts(head: bytes, request: bytes, upstream_request: bytes) -> tuple[bytes, ...]:
+def v1_line_parts(head: bytes, request: bytes, upstream_request: bytes, *, checksum: bool = True) -> tuple[bytes, ...]:
     """The v1 line from its head object's JSON (``{"v": 1, ...}``, every member but the request bodies) and the
     bodies' bytes. The request bodies go last, spliced in as the bytes they arrived as; the checksum of all that
-    ends the line."""
+    ends the line (without ``checksum``: just ``}``, as a line written before the checksum existed)."""
     parts = (head[:-1] + b', "request": ', request, b', "upstream_request": ', upstream_request)
-    return (*parts, crc_tail(parts))
+    return (*parts, crc_tail(parts) if checksum else b"}\n")
 
 
 def to_record(ex: Exchange, decode_content: Any) -> Record:

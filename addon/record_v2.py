@@ -161,9 +161,10 @@ class Expander:
     def __init__(self) -> None:
         self._last: dict[str, _Last] = {}
 
-    def expand(self, v2: dict[str, Any]) -> bytes:
+    def expand(self, v2: dict[str, Any], *, checksum: bool = True) -> bytes:
         """The v1 line (no newline) that the v2 record ``v2`` stands for; :class:`Unresolved` when its base is not
-        the session's last record fed, ``ValueError`` naming the field when it is malformed."""
+        the session's last record fed, ``ValueError`` naming the field when it is malformed. Without ``checksum``
+        the line ends without its ``crc`` member (a reader that checked the v2 line needs no second check)."""
         session, base, rid = v2.get("session_id"), v2.get("base"), v2.get("id")
         if not isinstance(session, str) or not isinstance(rid, str):
             raise ValueError("a v2 record without a session_id or id")
@@ -194,7 +195,7 @@ class Expander:
         # The tail's members are spliced in as the writer's JSON encoder wrote them: the very bytes v1 holds, and
         # no decoding and encoding of a streamed answer's text again.
         head = json.dumps({"v": 1, **{k: v2.get(k) for k in HEAD_KEYS}}, ensure_ascii=False).encode("utf-8")
-        return b"".join(v1_line_parts(head[:-1] + b", " + tail[1:], request, upstream))[:-1]
+        return b"".join(v1_line_parts(head[:-1] + b", " + tail[1:], request, upstream, checksum=checksum))[:-1]
 
 
 # The prompt id array of a vLLM answer, in the tail's JSON (inside the response body's string: quotes escaped).

@@ -216,7 +216,7 @@ class CaptureIndex:
             record = self._parse(line)
             if record is not None and record.get("v") == record_v2.FORMAT_VERSION:
                 try:
-                    record = parse_record(bytearray(expander.expand(record)))
+                    record = parse_record(bytearray(expander.expand(record, checksum=False)))  # checked as v2
                 except record_v2.Unresolved:
                     self.counts.unresolved += 1
                     continue
