@@ -5,10 +5,10 @@
 
 Point the harness's base URL at the proxy and set its API key to a session id, or run it unchanged
 through the proxy in regular mode (transparent mode, ``addon/reroute.py``). Each finished
-exchange becomes one JSON line under ``polar_dir`` (format: ``addon/record.py``). Chat Completions
-streams pass through untouched: a tee keeps a copy of every chunk as it passes. Anthropic,
-Responses and Google calls go upstream as Chat Completions and come back translated, chunk by
-chunk (``addon/translating.py``). ``GET /polar/health`` is answered here (loaded, options,
+exchange becomes one JSON line under ``polar_dir`` (format v2: ``addon/record_v2.py``; v1:
+``addon/record.py``). Chat Completions streams pass through untouched: a tee keeps a copy of every
+chunk as it passes. Anthropic, Responses and Google calls go upstream as Chat Completions and come
+back translated, chunk by chunk (``addon/translating.py``). ``GET /polar/health`` is answered here (loaded, options,
 writable, records written), so clients can tell a recording proxy from one whose script failed to
 load; while records cannot be written, calls are refused with 503, never forwarded unrecorded.
 Imports only the standard library and mitmproxy, so a standalone mitmproxy can load it.
