@@ -5,10 +5,10 @@
 
 Point the harness's base URL at the proxy and set its API key to a session id, or run it unchanged
 through the proxy in regular mode (transparent mode, ``addon/reroute.py``). Each finished
-exchange becomes one JSON line under ``polar_dir`` (format: ``addon/record.py``). Chat Completions
-streams pass through untouched: a tee keeps a copy of every chunk as it passes. Anthropic,
-Responses and Google calls go upstream as Chat Completions and come back translated, chunk by
-chunk (``addon/translating.py``). ``GET /polar/health`` is answered here (loaded, options,
+exchange becomes one JSON line under ``polar_dir`` (format v2: ``addon/record_v2.py``; v1:
+``addon/record.py``). Chat Completions streams pass through untouched: a tee keeps a copy of every
+chunk as it passes. Anthropic, Responses and Google calls go upstream as Chat Completions and come
+back translated, chunk by chunk (``addon/translating.py``). ``GET /polar/health`` is answered here (loaded, options,
 writable, records written), so clients can tell a recording proxy from one whose script failed to
 load; while records cannot be written, calls are refused with 503, never forwarded unrecorded.
 Imports only the standard library and mitmproxy, so a standalone mitmproxy can load it.
@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from mitmproxy import connection, ctx, exceptions, http
-from mitmproxy.net import encoding
 from mitmproxy.proxy import mode_specs
 
 if __package__ in (None, "", "__mitmproxy_script__"):
@@ -42,25 +41,28 @@ from addon import (
     chat,
     clamp,
     constrained,
+    content,
+    health,
     native,
     proxy_errors,
+    record_v2,
     reroute,
     resent,
     responses,
     session,
     translating,
 )
-from addon.record import FORMAT_VERSION, Body, Exchange, merge_fields
+from addon.record import Body, Exchange, merge_fields
 from addon.writer import CaptureWriter
 
 log = logging.getLogger(__name__)
 
 UPSTREAMS = ("vllm", "sglang", "plain")
 TRANSLATE = ("auto", "never")
+FORMATS = (1, record_v2.FORMAT_VERSION)
 METADATA_KEY = "polar"
 CAP_KEY = "polar.cap"  # (models URL, model) of a call whose output cap the addon checked
 SALT_FILE = ".session-salt"
-HEALTH_PATH = "/polar/health"  # answered by the addon itself: clients check it before they send model calls
 
 
 def guarded(hook: Callable[..., None]) -> Callable[..., None]:
@@ -108,6 +110,7 @@ class Polar:
         self._salt: bytes | None = None
         self.refused = 0  # model calls answered 503 because recording did not work
         self.backlog_bytes = 256 << 20
+        self.max_decoded = 128 << 20  # polar_max_decoded_mb
         self._handing_over: dict[str, Exchange] = {}  # by id: submitted on the next loop step; done() flushes them
         self.upstream = "vllm"
         self.upstream_key = ""
@@ -148,9 +151,23 @@ class Polar:
             "Cut max_tokens / max_completion_tokens beyond the upstream model's context (its /models "
             "max_model_len) to that context before sending: vLLM refuses a larger cap (addon/clamp.py).",
         )
+        loader.add_option(
+            "polar_format",
+            int,
+            record_v2.FORMAT_VERSION,
+            "Capture format: 2 (a request stored as what is new since the session's previous one, bodies "
+            "compressed; addon/record_v2.py) or 1 (every record whole, as JSON; addon/record.py).",
+        )
         loader.add_option("polar_fsync", bool, False, "fsync each batch of records (survives power loss; slower).")
         loader.add_option(
             "polar_rotate_mb", int, 256, "Start a new capture file once the current one passes this size (MiB)."
+        )
+        loader.add_option(
+            "polar_max_decoded_mb",
+            int,
+            128,
+            "Largest body (MiB) the addon decodes from gzip or deflate; a larger one (a gzip bomb) is refused "
+            "(a request) or recorded encoded with a decode error (an answer).",
         )
         loader.add_option(
             "polar_backlog_mb",
@@ -174,13 +191,21 @@ class Polar:
             if opts.polar_backlog_mb < 1:
                 raise exceptions.OptionsError(f"polar_backlog_mb must be at least 1, not {opts.polar_backlog_mb}")
             self.backlog_bytes = opts.polar_backlog_mb << 20
+        if "polar_max_decoded_mb" in updated:
+            if opts.polar_max_decoded_mb < 1:
+                raise exceptions.OptionsError(
+                    f"polar_max_decoded_mb must be at least 1, not {opts.polar_max_decoded_mb}"
+                )
+            self.max_decoded = opts.polar_max_decoded_mb << 20
         if "polar_translate" in updated and opts.polar_translate not in TRANSLATE:
             raise exceptions.OptionsError(f"polar_translate must be auto or never, not {opts.polar_translate!r}")
         self.upstream_key = opts.polar_upstream_key
         self.clamp = opts.polar_clamp_max_tokens
         self.translate = opts.polar_translate == "auto" and self.upstream != "plain"
         self.native_options = native.Options(model=opts.polar_model, upstream=self.upstream)
-        if updated & {"polar_dir", "polar_fsync", "polar_rotate_mb"}:
+        if "polar_format" in updated and opts.polar_format not in FORMATS:
+            raise exceptions.OptionsError(f"polar_format must be 1 or 2, not {opts.polar_format!r}")
+        if updated & {"polar_dir", "polar_fsync", "polar_rotate_mb", "polar_format"}:
             directory = Path(opts.polar_dir)
             if directory.exists() and not directory.is_dir():
                 raise exceptions.OptionsError(f"polar_dir {opts.polar_dir!r} exists and is not a folder")
@@ -191,9 +216,14 @@ class Polar:
                 directory,
                 rotate_bytes=opts.polar_rotate_mb << 20,
                 fsync=opts.polar_fsync,
-                decode_content=encoding.decode,  # type: ignore[arg-type]
+                decode_content=self.decode_content,
+                format_version=opts.polar_format,
             )
             self._salt = None
+
+    def decode_content(self, data: bytes, encoding: str) -> bytes:
+        """A body with its content-encoding undone, bounded by ``polar_max_decoded_mb`` (addon/content.py)."""
+        return content.decode(data, encoding, self.max_decoded)
 
     @property
     def salt(self) -> bytes:
@@ -229,20 +259,23 @@ class Polar:
             self.writer.close()  # bounded, also on a full disk; logs every record it could not write
             self.writer = None
 
-    def health(self) -> dict[str, Any]:
-        """What ``GET /polar/health`` answers: the addon is loaded, its options, and whether it records."""
+    def health(self, nonce: str | None = None) -> dict[str, Any]:
+        """What ``GET /polar/health`` answers: the addon is loaded (with the proof of the client's ``nonce``, see
+        addon/health.py), its options, and whether it records."""
         opts = ctx.options
         problem = self._recording_problem()
         writer = self.writer
         return {
             "loaded": True,
-            "format_version": FORMAT_VERSION,
+            "proof": health.proof(nonce) if nonce is not None else None,
+            "format_version": opts.polar_format,
             "options": {
                 "polar_dir": str(Path(opts.polar_dir).resolve()),
                 "polar_upstream": opts.polar_upstream,
                 "polar_translate": opts.polar_translate,
                 "polar_model": opts.polar_model,
                 "polar_upstream_key_set": bool(opts.polar_upstream_key),
+                "polar_format": opts.polar_format,
                 "polar_fsync": opts.polar_fsync,
                 "polar_rotate_mb": opts.polar_rotate_mb,
                 "polar_backlog_mb": opts.polar_backlog_mb,
@@ -261,6 +294,8 @@ class Polar:
             return "the capture writer is not running"
         if self.writer.failure:
             return f"capture writes fail ({self.writer.failure})"
+        if self.writer.folder_removed:  # seen before the next write fails: one stat, on the writer's files only
+            return f"the capture folder {self.writer.directory} was removed"
         if self.writer.backlog_bytes > self.backlog_bytes:
             mb = self.writer.backlog_bytes / (1 << 20)
             return f"{mb:.0f} MiB of records wait to be written (polar_backlog_mb={self.backlog_bytes >> 20})"
@@ -297,8 +332,13 @@ class Polar:
     @guarded
     def request(self, flow: http.HTTPFlow) -> None:
         # One hook for the whole request: each hook a script defines costs every flow a dispatch.
-        if flow.request.path.partition("?")[0] == HEALTH_PATH and flow.request.method in ("GET", "HEAD"):
-            flow.response = http.Response.make(200, json.dumps(self.health()), {"content-type": "application/json"})
+        if flow.error is not None:
+            # Killed by an addon before this one (mitmproxy's refusal of an HTTP/2 prior-knowledge preface,
+            # ``PRI *``): it goes nowhere, so there is no call to record (issue 27).
+            return
+        if flow.request.path.partition("?")[0] == health.PATH and flow.request.method in ("GET", "HEAD"):
+            answer = self.health(flow.request.headers.get(health.NONCE_HEADER))
+            flow.response = http.Response.make(200, json.dumps(answer), {"content-type": "application/json"})
             return
         route = flow.metadata.get(reroute.ROUTE_KEY)  # None: reverse mode, every call is ours
         if route == reroute.PASS:
@@ -322,11 +362,15 @@ class Polar:
         # The tee must see plain bytes; a gzipped stream could not be recorded chunk by chunk.
         ours["accept-encoding"] = "identity"
         set_headers(flow.request.headers, ours)
-        try:
-            # .content looks the content-encoding up again; without one it is the raw bytes.
-            data = (flow.request.content if "content-encoding" in headers else flow.request.raw_content) or b""
-        except ValueError:  # a content-encoding we cannot undo: record the bytes as sent
-            data = flow.request.raw_content or b""
+        data = flow.request.raw_content or b""
+        if "content-encoding" in headers:
+            try:
+                data = self.decode_content(data, headers["content-encoding"])
+            except content.TooLarge as e:  # a gzip bomb: never forwarded, never decoded past the bound
+                self._refuse_too_large(flow, found, headers, e)
+                return
+            except content.Undecodable:  # an encoding we cannot undo: record the bytes as sent
+                pass
         # A call to translate reads its whole body; the others only its top-level fields.
         to_translate = (
             self.translate and not to_provider and apis.detect_api(found.path, headers, None) in apis.TRANSLATED
@@ -371,6 +415,24 @@ class Polar:
         for kept in (ex.request, ex.upstream_request):
             if kept is not None and kept.json_bytes is not None:
                 kept.value = None
+
+    def _refuse_too_large(
+        self, flow: http.HTTPFlow, found: session.Session, headers: dict[str, str], e: content.TooLarge
+    ) -> None:
+        """Answer 413 in the API's shape and record why (the body is not kept: it may be the bomb itself)."""
+        api = apis.detect_api(found.path, headers, None)
+        flow.response = translating.json_response(413, translating.error_body(api, 413, str(e)))
+        flow.metadata[METADATA_KEY] = Exchange(
+            session_id=found.id,
+            session_source=found.source,
+            api=api,
+            upstream=self.upstream,
+            method=flow.request.method,
+            path=found.path,
+            t_start=flow.request.timestamp_start or time.time(),
+            request_headers=session.recordable_headers(headers),
+            error={"kind": "request", "message": str(e)},
+        )
 
     def _rewrite(
         self, flow: http.HTTPFlow, ex: Exchange, headers: dict[str, str], data: bytes, to_provider: bool
@@ -463,7 +525,7 @@ class Polar:
                 url, model = cap
                 self.context_lengths.learn(url, model, flow.response.get_text(strict=False) or "")
             if (translation := flow.metadata.get(translating.TRANSLATION_KEY)) is not None:
-                translating.translate_answer(flow, ex, translation)
+                translating.translate_answer(flow, ex, translation, self.decode_content)
         ex.complete = ex.error is None
         self._submit(ex)
 

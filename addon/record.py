@@ -20,7 +20,9 @@ field                  meaning
 ``id``                 record id: 32 hex chars, unique per exchange
 ``session_id``         who made the call (see ``session_source``)
 ``session_source``     ``header`` (x-polar-session) | ``path`` (/s/<id>/...) | ``api_key`` (the key
-                       was a session id) | ``key_hash`` (salted hash of a key) | ``anonymous``
+                       was a session id) | ``key_hash`` (salted hash of a key) | ``id_hash`` (salted
+                       hash of a header or path session id that is not a valid id: too long, control
+                       characters, ``../``; added in issue 27) | ``anonymous``
 ``api``                ``chat`` | ``anthropic`` | ``responses`` | ``google`` | ``other`` (a path the
                        addon does not know: forwarded untouched)
 ``upstream``           the ``polar_upstream`` mode that shaped the request: vllm | sglang | plain
@@ -61,8 +63,14 @@ field                  meaning
 ``chunks``             ``[[ms since t_start, bytes], ...]`` per network chunk of a stream (one
                        entry for a buffered answer)
 ``complete``           false when the exchange did not finish (stream broken, client gone, error)
+``crc``                the last member: CRC-32 of the line's bytes before ``, "crc": ``, as 8 lower-case
+                       hex digits; a line whose bytes do not match (two torn records spliced into one
+                       line that still parses) is not a record. Added in issue 27 without a version
+                       change; records written before lack it, and readers then take the line as it is
 ``error``              null, or ``{"kind": str, "message": str}``: ``upstream`` (refused, reset),
-                       ``client`` (disconnected), ``decode`` (content-encoding), ``translate``
+                       ``client`` (disconnected), ``decode`` (a content-encoding that is not gzip or
+                       deflate, is corrupt, or decodes past ``polar_max_decoded_mb``: the body is then
+                       kept encoded, in ``response_b64``; addon/content.py), ``translate``
                        (a native request or answer that could not be mapped), ``request`` (a body
                        the addon refused with a 400, e.g. JSON nested too deeply), ``addon``
 =====================  ==========================================================================
@@ -83,6 +91,7 @@ import base64
 import json
 import re
 import secrets
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -287,24 +296,51 @@ class Exchange:
     written: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One finished call as a record holds it, in any format: the head members in v1's order (``v`` left out) and
+    the two request bodies as the line holds them (``upstream_request`` ``b"null"`` when there is none)."""
+
+    head: dict[str, Any]
+    request: bytes
+    upstream_request: bytes
+
+
 def encode(ex: Exchange, decode_content: Any) -> bytes:
-    """One record line for ``ex``. ``decode_content(bytes, encoding) -> bytes`` undoes gzip & co."""
+    """One v1 record line for ``ex``. ``decode_content(bytes, encoding) -> bytes`` undoes gzip & co."""
     return b"".join(encode_parts(ex, decode_content))
 
 
 def encode_parts(ex: Exchange, decode_content: Any) -> tuple[bytes, ...]:
-    """The record line for ``ex`` in pieces whose concatenation is the line: the request bodies are
-    the very bytes the exchange holds, so a 50 MB prompt is written (``os.writev``) without a copy.
+    """The v1 record line for ``ex`` in pieces whose concatenation is the line (:func:`v1_parts`)."""
+    return v1_parts(to_record(ex, decode_content))
 
-    Runs on the writer thread: the event loop never serialises bodies.
-    """
+
+def v1_parts(record: Record) -> tuple[bytes, ...]:
+    """The v1 line of ``record`` in pieces: the request bodies are the very bytes the exchange holds, so a 50 MB
+    prompt is written (``os.writev``) without a copy. Its checksum and newline end it."""
+    head = json.dumps({"v": FORMAT_VERSION, **record.head}, ensure_ascii=False).encode("utf-8")
+    return v1_line_parts(head, record.request, record.upstream_request)
+
+
+def v1_line_parts(head: bytes, request: bytes, upstream_request: bytes, *, checksum: bool = True) -> tuple[bytes, ...]:
+    """The v1 line from its head object's JSON (``{"v": 1, ...}``, every member but the request bodies) and the
+    bodies' bytes. The request bodies go last, spliced in as the bytes they arrived as; the checksum of all that
+    ends the line (without ``checksum``: just ``}``, as a line written before the checksum existed)."""
+    parts = (head[:-1] + b', "request": ', request, b', "upstream_request": ', upstream_request)
+    return (*parts, crc_tail(parts) if checksum else b"}\n")
+
+
+def to_record(ex: Exchange, decode_content: Any) -> Record:
+    """What the record of ``ex`` holds, in any format. Runs on the writer thread: the event loop never serialises
+    bodies."""
     body = b"".join(ex.chunks)
     error = ex.error
     if ex.content_encoding and body:
         try:
             body = decode_content(body, ex.content_encoding)
         except Exception as e:  # noqa: BLE001 - keep the encoded bytes rather than lose the response
-            error = error or {"kind": "decode", "message": f"{ex.content_encoding}: {e}"}
+            error = error or {"kind": "decode", "message": str(e) if isinstance(e, ValueError) else repr(e)}
     response_body, response_b64 = None, None
     if body:
         try:
@@ -312,7 +348,6 @@ def encode_parts(ex: Exchange, decode_content: Any) -> tuple[bytes, ...]:
         except UnicodeDecodeError:
             response_b64 = base64.b64encode(body).decode("ascii")
     head = {
-        "v": FORMAT_VERSION,
         "id": ex.id,
         "session_id": ex.session_id,
         "session_source": ex.session_source,
@@ -338,14 +373,16 @@ def encode_parts(ex: Exchange, decode_content: Any) -> tuple[bytes, ...]:
         "response_b64": response_b64,
         "response_body": response_body,
     }
-    # The request bodies go last, spliced in as the bytes they arrived as.
-    return (
-        json.dumps(head, ensure_ascii=False).encode("utf-8")[:-1] + b', "request": ',
-        _json_bytes(ex.request),
-        b', "upstream_request": ',
-        _json_bytes(ex.upstream_request) if ex.upstream_request else b"null",
-        b"}\n",
-    )
+    upstream = _json_bytes(ex.upstream_request) if ex.upstream_request else b"null"
+    return Record(head, _json_bytes(ex.request), upstream)
+
+
+def crc_tail(parts: tuple[bytes, ...]) -> bytes:
+    """The end of a record line: its ``crc`` member (CRC-32 of the line's bytes before it), ``}`` and the newline."""
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return b', "crc": "%08x"}\n' % crc
 
 
 def _json_bytes(body: Body) -> bytes:

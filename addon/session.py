@@ -12,9 +12,11 @@ rollout runner sets the key to the session id. The order of precedence:
    the key itself never reaches disk;
 5. else ``anonymous``.
 
-A header or path session id that looks like a provider secret (``sk-...``) is hashed the same way
-(``key_hash``), and every key-like query parameter is removed from the path, so no secret given
-in any of these places reaches disk.
+A header or path session id that looks like a provider secret (``sk-...``, ``xoxb-...``) is hashed the
+same way (``key_hash``), and every key-like query parameter is removed from the path, so no secret given
+in any of these places reaches disk. A header or path session id that is not a valid id (longer than 128
+characters, control characters, ``../``, ...) is hashed into a session of its own (``id_hash``): filing it
+under the shared ``anonymous`` would mix unrelated calls into one session (issue 27).
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ from addon import apis
 SESSION_HEADER = "x-polar-session"
 SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 PATH_PREFIX = re.compile(r"^/s/([^/?]+)(/.*|$)")
-# Prefixes of real provider keys (OpenAI, Anthropic, Google, GitHub, Hugging Face, xAI, Groq, ...):
-# such a key is a secret even when it matches SESSION_ID, so it is hashed, never stored.
+# Prefixes of real provider keys (OpenAI, Anthropic, Google, GitHub, Hugging Face, xAI, Groq, Slack, GitLab,
+# AWS, Stripe, ...): such a key is a secret even when it matches SESSION_ID, so it is hashed, never stored.
 SECRET_PREFIXES = (
-    "sk-", "sk_", "AIza", "ghp_", "gho_", "github_pat_", "hf_", "xai-", "gsk_", "r8_", "pplx-", "nvapi-", "eyJ",
+    "sk-", "sk_", "rk_", "AIza", "ya29.", "ghp_", "gho_", "ghs_", "ghu_", "ghr_", "github_pat_", "glpat-", "hf_",
+    "xai-", "gsk_", "r8_", "pplx-", "nvapi-", "eyJ", "xoxa-", "xoxb-", "xoxe-", "xoxp-", "xoxr-", "xoxs-", "xapp-",
+    "AKIA", "ASIA", "npm_", "pypi-", "shpat_", "dop_v1_",
 )  # fmt: skip
 # Query parameters that carry credentials, compared lower-cased with "-" read as "_".
 SECRET_QUERY_NAMES = frozenset(
@@ -47,7 +51,7 @@ PRIVATE_HEADERS = frozenset((*CREDENTIAL_HEADERS, "cookie", "proxy-authorization
 @dataclass(frozen=True)
 class Session:
     id: str
-    source: str  # header | path | api_key | key_hash | anonymous
+    source: str  # header | path | api_key | key_hash | id_hash | anonymous
     path: str  # the request path with a session prefix and any ?key= removed
     credential_header: str | None  # where the client put its key, so the upstream key goes there too
 
@@ -70,10 +74,13 @@ def resolve(headers: dict[str, str], path: str, salt: bytes) -> Session:
 
     explicit = headers.get(SESSION_HEADER, "").strip()
     for given, source in ((explicit, "header"), (path_id, "path")):
-        if given and is_session_id(given):
-            if looks_secret(given):  # a key pasted where the session id goes
-                return Session(key_hash(given, salt), "key_hash", path, credential_header)
-            return Session(given, source, path, credential_header)
+        if not given:
+            continue
+        if looks_secret(given):  # a key pasted where the session id goes
+            return Session(key_hash(given, salt), "key_hash", path, credential_header)
+        if not is_session_id(given):  # too long, control characters, "../": its own session, never anonymous
+            return Session(id_hash(given, salt), "id_hash", path, credential_header)
+        return Session(given, source, path, credential_header)
     if key and is_session_id(key) and not looks_secret(key):
         return Session(key, "api_key", path, credential_header)
     if key:
@@ -84,6 +91,12 @@ def resolve(headers: dict[str, str], path: str, salt: bytes) -> Session:
 def key_hash(key: str, salt: bytes) -> str:
     digest = hashlib.sha256(salt + key.encode("utf-8", "surrogateescape")).hexdigest()
     return f"key-{digest[:16]}"
+
+
+def id_hash(given: str, salt: bytes) -> str:
+    """The session of an invalid session id: one per distinct id, none shared, no raw bytes on disk."""
+    digest = hashlib.sha256(salt + b"id:" + given.encode("utf-8", "surrogateescape")).hexdigest()
+    return f"id-{digest[:16]}"
 
 
 def _client_key(headers: dict[str, str], query_key: str | None) -> tuple[str | None, str | None]:

@@ -11,12 +11,13 @@ import json
 import logging
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from mitmproxy import http
 
-from addon import apis, chat, native
+from addon import apis, chat, content, native
 from addon.record import Body, Exchange, merge_fields
 
 log = logging.getLogger(__name__)
@@ -144,16 +145,27 @@ def translate_request(flow: http.HTTPFlow, ex: Exchange, headers: dict[str, str]
     flow.metadata[TRANSLATION_KEY] = started
 
 
-def translate_answer(flow: http.HTTPFlow, ex: Exchange, translation: native.Translation) -> None:
-    """Rewrite a buffered upstream answer (or error) into the harness's API."""
+def translate_answer(
+    flow: http.HTTPFlow, ex: Exchange, translation: native.Translation, decode: Callable[[bytes, str], bytes]
+) -> None:
+    """Rewrite a buffered upstream answer (or error) into the harness's API; ``decode(bytes, encoding)`` undoes its
+    content-encoding with a bound (addon/content.py: mitmproxy's ``.content`` would decode a gzip bomb whole)."""
     assert flow.response is not None
     status = flow.response.status_code
+    upstream: Any = None
+    too_large: content.TooLarge | None = None
     try:
-        upstream = json.loads(flow.response.content or b"null")
-    except ValueError:
-        upstream = None
+        data = decode(flow.response.raw_content or b"", flow.response.headers.get("content-encoding", ""))
+        upstream = json.loads(data or b"null")
+    except content.TooLarge as e:
+        too_large = e
+    except ValueError:  # also content.Undecodable
+        pass
     try:
-        if status == 200 and isinstance(upstream, dict):
+        if too_large is not None:  # a gzip bomb: the client gets a clear error, the record says why
+            ex.error = {"kind": "decode", "message": str(too_large)}
+            status, body = 502, translation.error(502, f"polar refused the upstream answer: {too_large}")
+        elif status == 200 and isinstance(upstream, dict):
             body = translation.answer(upstream)
         else:
             body = translation.error(status if status >= 400 else 502, upstream_message(upstream, flow.response))

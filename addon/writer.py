@@ -5,7 +5,11 @@ batch, no user-space buffer) as soon as the thread wakes, typically well under a
 so a ``kill -9`` of mitmdump loses nothing that ended before it. With ``fsync`` each batch is also
 forced to the disk.
 
-When a write fails (disk full, quota, I/O error) the lines that did not fully reach the file are
+After each write the file is checked to still have a name (``st_nlink``): a file removed while open (``rm -rf``
+of the capture folder) would swallow every later record unseen, so its last batch is written again to a new file,
+and a removed folder is a failure like a full disk until it exists again (issue 27).
+
+When a write fails (disk full, quota, I/O error, a removed folder) the lines that did not fully reach the file are
 cut off again (``ftruncate`` back to the last whole line, so no torn line is left), kept, and
 retried every :data:`RETRY_SECONDS`; :attr:`CaptureWriter.failure` says why, so the addon refuses
 new model calls until recording works. :attr:`CaptureWriter.backlog_bytes` is what waits in memory;
@@ -26,7 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from addon.record import Exchange, encode_parts
+from addon import record_v2
+from addon.record import Exchange, Record, to_record, v1_parts
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +43,11 @@ _STOP = object()
 
 @dataclass(frozen=True)
 class Line:
-    """One encoded record and what to say about it if it never reaches the disk."""
+    """One record, encoded once its file is known (a v2 record refers to records of its file), and what to say about
+    it if it never reaches the disk."""
 
-    parts: tuple[bytes, ...]  # the line in pieces (see record.encode_parts)
-    length: int
+    record: Record
+    length: int  # of its v1 line: what a batch counts towards the file's size before it is encoded
     id: str
     session_id: str
     api: str
@@ -60,8 +66,11 @@ class CaptureWriter:
         rotate_bytes: int,
         fsync: bool,
         decode_content: Callable[[bytes, str], bytes],
+        format_version: int = record_v2.FORMAT_VERSION,
     ) -> None:
         self.directory = directory
+        self.format_version = format_version
+        self._encoder = record_v2.Encoder()  # v2: each session's last record in the current file
         self.rotate_bytes = rotate_bytes
         self.fsync = fsync
         self.decode_content = decode_content
@@ -79,6 +88,11 @@ class CaptureWriter:
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="polar-writer", daemon=True)
         self._thread.start()
+
+    @property
+    def folder_removed(self) -> bool:
+        """The folder held a capture file and is gone (``rm -rf``): nothing can be written until it is back."""
+        return self.path is not None and not self.directory.is_dir()
 
     @property
     def backlog_bytes(self) -> int:
@@ -137,13 +151,20 @@ class CaptureWriter:
 
     def _encode(self, exchange: Exchange, size: int) -> Line | None:
         try:
-            parts = encode_parts(exchange, self.decode_content)
+            record = to_record(exchange, self.decode_content)
         except Exception as e:  # a bug here loses this record only, and says so
             log.exception("polar: could not encode record %s; it is lost", exchange.id)
             self._done(size)
             self.unwritten.append(f"record {exchange.id} (session {exchange.session_id}): not encodable: {e}")
             return None
-        return Line(parts, sum(map(len, parts)), exchange.id, exchange.session_id, exchange.api, exchange.status, size)
+        length = len(record.request) + len(record.upstream_request) + len(record.head.get("response_body") or "")
+        return Line(record, length, exchange.id, exchange.session_id, exchange.api, exchange.status, size)
+
+    def _encode_lines(self, lines: list[Line]) -> list[tuple[bytes, ...]]:
+        """The lines in pieces, in the writer's format; a v2 line refers to the session's last line of this file."""
+        if self.format_version == 1:
+            return [v1_parts(line.record) for line in lines]
+        return [self._encoder.encode(line.record) for line in lines]
 
     def _done(self, size: int) -> None:
         with self._lock:
@@ -174,12 +195,15 @@ class CaptureWriter:
         """Write ``lines`` (one ``writev`` per burst, no joined copy); on failure cut a partial line back off
         the file. Returns how many lines are fully on disk."""
         start, done = self._size, 0
+        encoded: list[tuple[bytes, ...]] = []
+        before = self._encoder.snapshot()
         try:
             if self._fd is None:
                 self._open_next()
-                start = self._size
+                start, before = self._size, self._encoder.snapshot()
             assert self._fd is not None
-            pending = [memoryview(part) for line in lines for part in line.parts if part]
+            encoded = self._encode_lines(lines)
+            pending = [memoryview(part) for parts in encoded for part in parts if part]
             while pending:
                 n = os.writev(self._fd, pending[:IOV_MAX])
                 done += n
@@ -190,16 +214,22 @@ class CaptureWriter:
                     pending[0] = pending[0][n:]
             if self.fsync:
                 os.fsync(self._fd)
+            if os.fstat(self._fd).st_nlink == 0:  # issue 27: written into a file someone removed (rm -rf)
+                self._removed()
+                return 0
             return len(lines)
         except OSError as e:
             if self.failure is None:
                 log.error("polar: capture write failed (%s); refusing model calls until it works", e)
             self.failure = f"{type(e).__name__}: {e}"
         whole, keep = 0, 0
-        for line in lines:
-            if keep + line.length > done:
+        for parts in encoded:
+            length = sum(map(len, parts))
+            if keep + length > done:
                 break
-            whole, keep = whole + 1, keep + line.length
+            whole, keep = whole + 1, keep + length
+        self._encoder.restore(before)  # the lines that did not make it are encoded again when retried
+        self._encode_lines(lines[:whole])
         if done > keep and self._fd is not None:
             # Keep the whole lines that made it; cut the torn tail so the file never holds half a record.
             try:
@@ -210,8 +240,19 @@ class CaptureWriter:
                 self._close_fd()
         return whole
 
+    def _removed(self) -> None:
+        """The current file was removed while open: what went into it is gone, so the batch is written again, to a
+        new file; if the folder went too, that fails (a removed folder is not made again) until someone makes it."""
+        log.error(
+            "polar: the capture file %s was removed while open; writing its last batch again in a new file", self.path
+        )
+        self._close_fd()
+        if not self.directory.is_dir():
+            self.failure = f"the capture folder {self.directory} was removed"
+
     def _open_next(self) -> None:
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.path is None:  # the first file makes the folder; a folder removed later is not made again
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         while True:
             suffix = f".{self._part}" if self._part else ""
             path = self.directory / f"{self._stem}{suffix}.jsonl"
@@ -221,6 +262,7 @@ class CaptureWriter:
             except FileExistsError:  # never reopen someone's file
                 continue
             self.path, self._size = path, 0
+            self._encoder = record_v2.Encoder()  # a file's first record of each session is full
             return
 
     def _close_fd(self) -> None:

@@ -22,6 +22,7 @@ import json
 import multiprocessing
 import os
 import runpy
+import secrets
 import signal
 import socket
 import subprocess
@@ -34,9 +35,11 @@ from typing import Any, ClassVar, Self
 
 import psutil
 
+from addon import health
+
 ROOT = Path(__file__).resolve().parent.parent
 ADDON = ROOT / "addon" / "polar.py"
-HEALTH_PATH = "/polar/health"  # addon/polar.py answers it itself
+HEALTH_PATH = health.PATH  # addon/polar.py answers it itself
 # Through a regular-mode (transparent) proxy the health request needs some plain-HTTP origin; the addon
 # answers the path before the host matters, so this name is never resolved.
 HEALTH_ORIGIN = "http://polar.invalid"
@@ -70,8 +73,10 @@ def check_proxy(url: str, *, transparent: bool = False, timeout: float = 10.0) -
         f"start it with `mitmdump ... -s {ADDON.relative_to(ROOT)}` and read its log: mitmproxy keeps forwarding "
         "without the addon when the script fails to load (e.g. a --set polar_... option given twice)"
     )
+    nonce = secrets.token_hex(16)  # only the addon answers with its proof (addon/health.py)
+    request = urllib.request.Request(target, headers={health.NONCE_HEADER: nonce})
     try:
-        with opener.open(target, timeout=timeout) as response:
+        with opener.open(request, timeout=timeout) as response:
             status, raw = response.status, response.read()
     except urllib.error.HTTPError as e:
         status, raw = e.code, e.read()
@@ -80,23 +85,23 @@ def check_proxy(url: str, *, transparent: bool = False, timeout: float = 10.0) -
             f"the capture proxy {base} does not answer GET {HEALTH_PATH} ({e}); {hint}", answered=False
         ) from e
     try:
-        health = json.loads(raw)
+        answer = json.loads(raw)
     except ValueError:
-        health = None
-    if status != 200 or not isinstance(health, dict) or health.get("loaded") is not True:
+        answer = None
+    if status != 200 or not isinstance(answer, dict) or answer.get("proof") != health.proof(nonce):
         got = raw[:200].decode("utf-8", "replace")
         raise ProxyNotRecording(
             f"{base} answers GET {HEALTH_PATH} with {status} {got!r}, not the capture addon's health: "
             f"the addon is not loaded, so calls through it would not be recorded; {hint}",
             answered=True,
         )
-    if not health.get("writable"):
+    if not answer.get("writable"):
         raise ProxyNotRecording(
-            f"the capture proxy {base} cannot write its records ({health.get('problem') or 'polar_dir is not writable'}"
-            f", polar_dir {health.get('options', {}).get('polar_dir')}): it would refuse every model call",
+            f"the capture proxy {base} cannot write its records ({answer.get('problem') or 'polar_dir is not writable'}"
+            f", polar_dir {answer.get('options', {}).get('polar_dir')}): it would refuse every model call",
             answered=True,
         )
-    return health
+    return answer
 
 
 def stop_tree(proc: subprocess.Popen[bytes] | subprocess.Popen[str], *, grace: float = 0.0) -> None:

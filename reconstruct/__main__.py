@@ -4,6 +4,7 @@
         [--mode prefix|per-request] [--eot-token TOKEN] [--on-drift split|keep] [--shard I/N] [--jobs N]
     python -m reconstruct stats trajectories.parquet
     python -m reconstruct audit trajectories.parquet --model DIR [--threshold 0.01]
+    python -m reconstruct expand CAPTURES... -o FOLDER    # v2 records written back as the v1 records they stand for
 
 The first form writes the table and ``trajectories.stats.json`` next to it, and prints the stats (sessions,
 calls, traces, tokens, chain breaks by cause). Exit status 0 on success, 2 on bad options or unreadable input, and
@@ -103,6 +104,16 @@ class Audit:
             raise ReconstructError("--chunk must be >= 1 and --threshold >= 0")
 
 
+@dataclasses.dataclass
+class Expand:
+    """Write capture files back with every v2 record as the v1 record it stands for (addon/record_v2.py)."""
+
+    captures: tyro.conf.Positional[tuple[Path, ...]]
+    """Capture files, or folders whose *.jsonl files are all read."""
+    output: Annotated[Path, tyro.conf.arg(aliases=("-o",))]
+    """Folder to write the files into, each under its own name (not a folder the captures are in)."""
+
+
 def build(config: Build) -> None:
     from tqdm import tqdm
 
@@ -198,7 +209,20 @@ def _tokenizer(name: str) -> Any:
     return AutoTokenizer.from_pretrained(name)
 
 
-COMMANDS = {"stats": (StatsCommand, stats), "audit": (Audit, audit)}
+def expand(config: Expand) -> None:
+    from reconstruct._expand import expand_captures
+
+    counts = expand_captures(list(config.captures), config.output)
+    console.print(
+        f"wrote {counts.files} files to {config.output}: {counts.lines:,} lines, {counts.expanded:,} v2 records "
+        f"expanded; left out: {counts.corrupt:,} corrupt, {counts.unresolved:,} whose base record was lost, "
+        f"{counts.torn:,} torn",
+        markup=False,
+        soft_wrap=True,
+    )
+
+
+COMMANDS = {"stats": (StatsCommand, stats), "audit": (Audit, audit), "expand": (Expand, expand)}
 
 
 def main(argv: list[str] | None = None) -> int:

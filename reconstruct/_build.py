@@ -114,6 +114,7 @@ def reconstruct(
         stats.unsupported_records = index.counts.unsupported
         stats.duplicate_records = index.counts.duplicates
         stats.glued_lines = index.counts.glued
+        stats.unresolved_records += index.counts.unresolved  # single process: found reading back here
     if not frames:
         frames = [_frame({name: [] for name in schema.SCHEMA})]
     # Not rechunked: a copy of the whole table would double the peak for nothing (the writer takes chunks).
@@ -154,6 +155,7 @@ def _build_batch(
     with _rare_collections(), CaptureIndex.located(files, located) as index:
         frames, stats = _build(index, sorted(located), sessions, options, iter(()))
     stats.corrupt_lines = index.counts.corrupt  # lines that failed to parse in full here
+    stats.unresolved_records = index.counts.unresolved
     return frames, stats
 
 

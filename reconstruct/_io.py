@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 
+from addon import record_v2
 from reconstruct._errors import CaptureError, ConfigError
 from reconstruct._json import dumps, loads, loads_like_upstream
 from reconstruct._lines import HEAD_BYTES, RECORD_START, LineIndexer, LineRef, parse_head
@@ -33,7 +35,7 @@ __all__ = [
 BLOCK = 8 << 20
 _SESSION_KEY = b'", "session_id": "'  # in every record head, right after the record id (see _Cuts)
 
-FORMAT_VERSION = 1  # of capture records (addon/record.py)
+FORMAT_VERSIONS = (1, record_v2.FORMAT_VERSION)  # of capture records (addon/record.py, addon/record_v2.py)
 
 
 def discover(paths: list[Path]) -> list[Path]:
@@ -54,11 +56,12 @@ def discover(paths: list[Path]) -> list[Path]:
 @dataclasses.dataclass
 class IndexCounts:
     lines: int = 0
-    corrupt: int = 0  # lines that do not parse as a record
+    corrupt: int = 0  # lines that do not parse as a record, or fail their checksum
     torn: int = 0  # unterminated last lines (a writer killed mid-line)
     unsupported: int = 0  # records of another format version
     duplicates: int = 0  # records whose id an earlier line already had (a copied capture file): skipped
     glued: int = 0  # lines holding more than one record (a torn line the next record was appended to): split
+    unresolved: int = 0  # v2 records whose base record was torn, lost or corrupt: skipped (addon/record_v2.py)
 
 
 class _Cuts:
@@ -185,7 +188,7 @@ class CaptureIndex:
             if record is None:
                 return
             version, record_id, session = record.get("v"), record.get("id"), record.get("session_id")
-        if version != FORMAT_VERSION or not isinstance(session, str):
+        if version not in FORMAT_VERSIONS or not isinstance(session, str):
             self.counts.unsupported += 1
             return
         if isinstance(record_id, str):
@@ -196,17 +199,30 @@ class CaptureIndex:
         self.sessions.setdefault(session, []).append((number, offset, length))
 
     def _parse(self, line: bytes | bytearray) -> dict[str, Any] | None:
-        record = parse_record(bytearray(line) if isinstance(line, bytes) else line)
+        """The record of a line: v1 as ``parse_record`` reads it, v2 as it is (see :meth:`records`)."""
+        line = bytearray(line) if isinstance(line, bytes) else line
+        record = parse_v2(line) if line.startswith(record_v2.V2_START) else parse_record(line)
         if record is None:
             self.counts.corrupt += 1
         return record
 
     def records(self, session: str) -> Iterator[dict[str, Any]]:
-        """The session's records, in file order; a line that does not parse is counted and skipped."""
+        """The session's records, in file order, each as its v1 record (a v2 one expanded: addon/record_v2.py); a
+        line that does not parse is counted and skipped, as is a v2 record whose base was not read before it."""
+        expander = record_v2.Expander()
         for number, offset, length in self.sessions.get(session, []):
             line = bytearray(length)
             os.preadv(self._fds[number], [line], offset)
             record = self._parse(line)
+            if record is not None and record.get("v") == record_v2.FORMAT_VERSION:
+                try:
+                    record = parse_record(bytearray(expander.expand(record, checksum=False)))  # checked as v2
+                except record_v2.Unresolved:
+                    self.counts.unresolved += 1
+                    continue
+                except ValueError:
+                    self.counts.corrupt += 1
+                    continue
             if record is not None:
                 yield record
 
@@ -231,6 +247,8 @@ _BODY_KEYS = frozenset(("request", "upstream_request"))
 # The prompt id array's key inside the response body, as the JSON-escaped string of the line holds it.
 _PROMPT_IN_BODY = b'\\"prompt_token_ids\\":'
 _CHUNKS = b', "chunks": '
+_CRC_KEY = b', "crc": "'  # the line's last member: '..., "crc": "<8 hex>"}'
+_CRC_TAIL = len(_CRC_KEY) + 10
 _REQUEST_RAW = b', "request_raw": '
 
 
@@ -274,13 +292,16 @@ class CaptureRecord(dict):  # type: ignore[type-arg]
 
 
 def parse_record(line: bytearray) -> dict[str, Any] | None:
-    """One record line; None when the line is not a JSON object.
+    """One record line; None when the line is not a JSON object, or its checksum does not match its bytes.
 
     When the line has the writer's layout, only its head is parsed, and not all of it: the request bodies are
     left for later (``CaptureRecord``); the prompt id array of a Chat Completions answer is lifted out of the
     line as bytes, most of a line that merging compares as text (``TokenText``) and never needs decoded; the
     ``chunks`` timings, hundreds of small lists in a streamed record that nothing here reads, become null.
-    ``line`` is changed in place (its bodies become ``{"request": ...``: parsed later through a view)."""
+    ``line`` is changed in place (its checksum is cut off; its bodies become ``{"request": ...``: parsed later
+    through a view)."""
+    if not _checksum_holds(line):
+        return None
     key = line.find(_RESPONSE_KEY)
     prompt = _prompt_span(line, key) if key >= 0 else None
     # The first ", "request": " after the response body's key ends the head: inside the JSON string of the
@@ -304,6 +325,36 @@ def parse_record(line: bytearray) -> dict[str, Any] | None:
     except ValueError:
         return None
     return record if isinstance(record, dict) else None
+
+
+def parse_v2(line: bytearray) -> dict[str, Any] | None:
+    """A v2 record line as it is (``Expander.expand`` makes it the v1 record it stands for); None when it does not
+    parse or fails its checksum."""
+    if not _checksum_holds(line):
+        return None
+    try:
+        record = loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _checksum_holds(line: bytearray) -> bool:
+    """Whether the line's ``crc`` member (addon/record.py, its last) matches the bytes before it; the member is then
+    cut off. A line without one (written before issue 27) holds. A line spliced from two torn records, which may
+    still parse, ends with the second one's checksum: it does not hold."""
+    tail = len(line) - _CRC_TAIL
+    if tail < 0 or line[tail : tail + len(_CRC_KEY)] != _CRC_KEY or line[-2:] != b'"}':
+        return True
+    try:
+        expected = int(line[-10:-2], 16)
+    except ValueError:
+        return False
+    if zlib.crc32(memoryview(line)[:tail]) != expected:
+        return False
+    del line[tail + 1 :]
+    line[tail] = 0x7D  # '}'
+    return True
 
 
 def _prompt_span(line: bytearray, key: int) -> tuple[int, int] | None:

@@ -22,11 +22,12 @@ class Stats:
     # Input
     files: int = 0
     lines: int = 0
-    corrupt_lines: int = 0  # did not parse as a record: counted, skipped
+    corrupt_lines: int = 0  # did not parse as a record or failed its checksum: counted, skipped
     torn_lines: int = 0  # unterminated last line of a file
     unsupported_records: int = 0  # another capture format version
     duplicate_records: int = 0  # a record id seen before (a copied capture file): skipped, never trained twice
     glued_lines: int = 0  # lines holding more than one record (a torn line with the next appended): split apart
+    unresolved_records: int = 0  # v2 records whose base record was torn or lost: calls lost, never misbuilt
     unreadable_bodies: int = 0  # records whose request bodies did not parse: answer kept, messages/tools/model lost
     other_records: int = 0  # not model calls (/v1/models, count_tokens, unknown paths)
     # Calls
@@ -58,7 +59,7 @@ class Stats:
         """Fold in the per-session counts of a part of the run (a worker's batch of sessions)."""
         for name in ("sessions", "calls", "merged_calls", "retokenized_calls", "other_records", "traces",
                      "drift_turns", "tokens_prompt", "tokens_trainable", "tokens_masked", "corrupt_lines",
-                     "unreadable_bodies"):  # fmt: skip
+                     "unreadable_bodies", "unresolved_records"):  # fmt: skip
             setattr(self, name, getattr(self, name) + getattr(part, name))
         self.max_calls_per_trace = max(self.max_calls_per_trace, part.max_calls_per_trace)
         for mine, theirs in ((self.dropped, part.dropped), (self.notes, part.notes), (self.breaks, part.breaks)):
@@ -83,6 +84,7 @@ class Stats:
             ("records of another version / not model calls", f"{self.unsupported_records:,} / {self.other_records:,}"),
             ("duplicate records (skipped) / glued lines (split)", f"{self.duplicate_records:,} / {self.glued_lines:,}"),
             ("records with unreadable request bodies", f"{self.unreadable_bodies:,}"),
+            ("v2 records whose base was lost (skipped)", f"{self.unresolved_records:,}"),
             ("sessions", f"{self.sessions:,}"),
             ("model calls / in traces", f"{self.calls:,} / {self.merged_calls:,}"),
             ("retokenized calls", f"{self.retokenized_calls:,}"),

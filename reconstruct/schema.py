@@ -19,7 +19,8 @@ Written by ``python -m reconstruct`` (reconstruct/_merge.py has the algorithm). 
 - Next to the file, ``<stem>.stats.json`` (reconstruct/_stats.py) keeps what the table cannot show: calls that
   had no usable tokens and why, every chain break by cause, corrupt and torn capture lines, records skipped as
   duplicates of an earlier one (same record id), lines split because two records were glued into one, and
-  records whose request bodies did not parse (issue 16; added counters, the table itself is unchanged).
+  records whose request bodies did not parse (issue 16), and v2 records whose base record was torn or lost
+  (``unresolved_records``, issue 27; added counters, the table itself is unchanged).
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ import contextlib
 import json
 import time
 
+from addon import record_v2
 from eval.procs import Mitmdump, ReferenceServer
 
 
@@ -22,6 +23,27 @@ def scripted_proxy(model_dir, script, tmp, **addon_options):
         yield mitm
 
 
+def v1_lines(directory):
+    """Every whole record line under ``directory`` as the v1 line it stands for (a v2 record expanded, see
+    addon/record_v2.py), file by file: what a test reads fields or searches bytes in."""
+    return [
+        line
+        for path in sorted(directory.glob("*.jsonl"))
+        for line in record_v2.expand_lines(line for line in path.read_bytes().split(b"\n")[:-1] if line)
+    ]
+
+
+def session_lines(directory, session):
+    """A session's record lines as they are (v1; a v2 record expanded), in file order: what a test copies into a
+    capture of its own (re-serialised records would fail their checksum)."""
+    return [line for line in v1_lines(directory) if json.loads(line)["session_id"] == session]
+
+
+def v1_bytes(directory):
+    """All of ``directory``'s records as v1 lines, joined: a secret searched here is searched in every body."""
+    return b"\n".join(v1_lines(directory))
+
+
 def read_records(directory, *, session=None, expect=None, timeout=10.0):
     """The records under ``directory`` (of one session), oldest first; with ``expect``, wait for that many.
 
@@ -29,11 +51,9 @@ def read_records(directory, *, session=None, expect=None, timeout=10.0):
     """
     deadline = time.time() + timeout
     while True:
+        # After the last newline: a record still being written.
         records = [
-            record
-            for path in sorted(directory.glob("*.jsonl"))
-            for line in path.read_bytes().split(b"\n")[:-1]  # after the last newline: a record still being written
-            if line and (record := json.loads(line)) and session in (None, record["session_id"])
+            record for line in v1_lines(directory) if session in (None, (record := json.loads(line))["session_id"])
         ]
         if expect is None or len(records) >= expect or time.time() > deadline:
             return sorted(records, key=lambda r: r["t_start"])

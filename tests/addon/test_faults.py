@@ -1,20 +1,27 @@
 """Hostile input and faults, hook by hook (issue 16): a full disk, pathological JSON, secrets in odd places,
 the health answer, large bodies. The same faults against a real mitmdump are in test_faults_proxy.py."""
 
+import base64
 import errno
+import gzip
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 import tracemalloc
+import zlib
 
 import pytest
+from mitmproxy.addons.disable_h2c import DisableH2C
+from mitmproxy.test import tflow, tutils
 
 from addon import polar, writer
 from addon.record import ELIDED, Exchange
 from addon.session import resolve
 from tests.addon.test_polar import make_chat_flow, read_records, run_exchange, set_response
+from tests.captures import v1_bytes
 
 SALT = b"salt"
 
@@ -50,6 +57,7 @@ def wait_for(condition, timeout=60.0):
 
 
 def lines_of(directory):
+    """The capture files' bytes as they are on disk (a v2 record's bodies compressed: search secrets in v1_bytes)."""
     return b"".join(p.read_bytes() for p in sorted(directory.glob("*.jsonl")))
 
 
@@ -293,6 +301,7 @@ def test_secret_session_ids_and_query_keys_never_reach_disk(addon, tctx, tmp_pat
     records = read_records(tmp_path / "captures")
     assert len(records) == len(cases)
     assert {r["session_source"] for r in records[:5] + records[6:]} == {"key_hash"}
+    assert secret.encode() not in v1_bytes(tmp_path / "captures")  # nor in any body a v2 record compresses
     for f in (tmp_path / "captures").iterdir():
         assert secret.encode() not in f.read_bytes(), f
 
@@ -384,3 +393,151 @@ def test_a_large_body_that_needs_rewriting_is_rewritten_whole(addon, tctx, tmp_p
     addon.done()
     (rec,) = read_records(tmp_path / "captures")
     assert rec["request"] == body and rec["upstream_request"] == sent
+
+
+# ---- issue 27: faults the record path took silently ----------------------------------------------------
+
+
+def test_issue27_an_http2_prior_knowledge_preface_leaves_no_record(addon, tctx, tmp_path):
+    preface = tflow.tflow(req=tutils.treq(method=b"PRI", path=b"*", http_version=b"HTTP/2.0", content=b""))
+    DisableH2C().request(preface)  # mitmproxy's own addon, which runs before scripts, kills the preface
+    addon.request(preface)
+    addon.error(preface)
+    run_exchange(addon, make_chat_flow(), [b"{}"])
+    addon.done()
+    assert [(r["method"], r["path"]) for r in read_records(tmp_path / "captures")] == [("POST", "/v1/chat/completions")]
+
+
+@pytest.mark.parametrize(
+    "given", ["../../etc/passwd", "s" * 65536, "run-1\x01\x1b[2J"], ids=["dotdot", "64KB", "control"]
+)
+def test_issue27_invalid_session_ids_get_a_session_each_not_anonymous(addon, tctx, tmp_path, given):
+    for value in (given, given + "2"):
+        flow = make_chat_flow(headers=((b"x-polar-session", value.encode()),))
+        run_exchange(addon, flow, [b"{}"])
+    addon.done()
+    records = read_records(tmp_path / "captures")
+    assert [r["session_source"] for r in records] == ["id_hash", "id_hash"]
+    assert records[0]["session_id"] != records[1]["session_id"]
+    assert given.encode() not in v1_bytes(tmp_path / "captures")
+
+
+def gzip_bomb(size):
+    """``size`` bytes of JSON that gzip to a few kB (``size`` / 1000 or so)."""
+    return gzip.compress(b'{"x": "' + b"0" * (size - 9) + b'"}', 9)
+
+
+def test_issue27_a_gzip_bomb_answer_is_kept_encoded_with_a_clear_error(addon, tctx, tmp_path):
+    tctx.configure(addon, polar_max_decoded_mb=1)
+    bomb = gzip_bomb(8 << 20)
+    passed = run_exchange(addon, make_chat_flow(), [bomb], headers=((b"content-encoding", b"gzip"),))
+    assert passed == bomb  # the client gets what the upstream sent, as bare mitmproxy forwards it
+    addon.done()
+    (record,) = read_records(tmp_path / "captures")
+    assert record["error"] == {"kind": "decode", "message": "gzip body decodes to more than 1 MiB "
+                               "(polar_max_decoded_mb); kept encoded"}  # fmt: skip
+    assert record["response_body"] is None and base64.b64decode(record["response_b64"]) == bomb
+
+
+def test_issue27_a_gzip_bomb_answer_to_a_translated_call_is_refused_in_the_api_shape(addon, tctx, tmp_path):
+    tctx.configure(addon, polar_max_decoded_mb=1)
+    bomb = gzip_bomb(64 << 20)
+    tracemalloc.start()
+    flow = make_chat_flow(
+        path="/v1/messages", body={"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "hi"}]}
+    )
+    run_exchange(addon, flow, [bomb], headers=((b"content-encoding", b"gzip"),))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    answer = json.loads(flow.response.content)
+    assert flow.response.status_code == 502 and answer["type"] == "error"
+    assert "more than 1 MiB" in answer["error"]["message"]
+    assert peak < 16 << 20  # never decoded whole (64 MiB)
+    addon.done()
+    (record,) = read_records(tmp_path / "captures")
+    assert record["error"]["kind"] == "decode" and record["complete"] is False
+
+
+def test_issue27_a_gzip_bomb_request_is_answered_413_and_never_forwarded(addon, tctx, tmp_path):
+    tctx.configure(addon, polar_max_decoded_mb=1)
+    flow = make_chat_flow(raw=gzip_bomb(8 << 20), headers=((b"content-encoding", b"gzip"),))
+    addon.request(flow)
+    assert flow.response.status_code == 413 and "polar_max_decoded_mb" in flow.response.get_text()
+    addon.response(flow)
+    addon.done()
+    (record,) = read_records(tmp_path / "captures")
+    assert record["error"]["kind"] == "request" and record["status"] == 413 and record["request"] is None
+
+
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_issue27_every_record_line_ends_with_the_crc32_of_its_bytes(addon, tctx, tmp_path, fmt):
+    tctx.configure(addon, polar_format=fmt)
+    for _ in range(3):
+        run_exchange(addon, make_chat_flow(), [b'{"ok": true}'])
+    addon.done()
+    lines = lines_of(tmp_path / "captures").split(b"\n")[:-1]
+    assert len(lines) == 3
+    for line in lines:
+        body, tail = line[: -len(b', "crc": "00000000"}')], line[-len(b', "crc": "00000000"}') :]
+        assert tail == b', "crc": "%08x"}' % zlib.crc32(body)
+
+
+def health_of(addon):
+    flow = make_chat_flow(path="/polar/health")
+    flow.request.method = "GET"
+    addon.request(flow)
+    return json.loads(flow.response.content)
+
+
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_issue27_a_capture_folder_removed_mid_run_refuses_calls_and_loses_no_record(addon, tctx, tmp_path, caplog, fmt):
+    tctx.configure(addon, polar_format=fmt)
+    folder = tmp_path / "captures"
+    run_exchange(addon, make_chat_flow(headers=((b"x-polar-session", b"before"),)), [b"{}"])
+    wait_for(lambda: addon.writer.records_written == 1)
+    in_flight = make_chat_flow(headers=((b"x-polar-session", b"in-flight"),))
+    addon.request(in_flight)  # admitted before the folder went
+    shutil.rmtree(folder)
+    health = health_of(addon)
+    assert health["writable"] is False and "was removed" in health["problem"]
+    refused = make_chat_flow()
+    addon.request(refused)
+    assert refused.response.status_code == 503
+    finish(addon, in_flight)
+    wait_for(lambda: addon.writer.failure is not None)  # it went into the removed file: seen, kept, retried
+    assert addon.writer.records_written == 1 and "was removed while open" in caplog.text
+    folder.mkdir()  # the folder is back: the kept record is written, calls are admitted again
+    wait_for(lambda: addon.writer.records_written == 2)
+    assert health_of(addon)["writable"] is True
+    addon.done()
+    assert [r["session_id"] for r in read_records(folder)] == ["in-flight"]
+
+
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_issue27_a_capture_file_removed_mid_run_goes_on_in_a_new_file(addon, tctx, tmp_path, fmt):
+    tctx.configure(addon, polar_format=fmt)
+    folder = tmp_path / "captures"
+    run_exchange(addon, make_chat_flow(), [b"{}"])
+    wait_for(lambda: addon.writer.records_written == 1)
+    removed = addon.writer.path
+    removed.unlink()
+    run_exchange(addon, make_chat_flow(headers=((b"x-polar-session", b"after"),)), [b"{}"])
+    wait_for(lambda: addon.writer.records_written == 2)
+    addon.done()
+    assert addon.writer is None and not removed.exists()
+    assert [r["session_id"] for r in read_records(folder)] == ["after"]
+
+
+def test_issue27_shutdown_with_the_capture_folder_removed_names_what_it_lost(
+    addon, tctx, tmp_path, caplog, monkeypatch
+):
+    monkeypatch.setattr(writer, "CLOSE_SECONDS", 0.5)
+    run_exchange(addon, make_chat_flow(), [b"{}"])
+    wait_for(lambda: addon.writer.records_written == 1)
+    in_flight = make_chat_flow(headers=((b"x-polar-session", b"lost-at-exit"),))
+    addon.request(in_flight)
+    shutil.rmtree(tmp_path / "captures")
+    finish(addon, in_flight)
+    wait_for(lambda: addon.writer.failure is not None)
+    addon.done()
+    assert "NOT WRITTEN" in caplog.text and "lost-at-exit" in caplog.text

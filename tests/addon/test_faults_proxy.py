@@ -6,6 +6,7 @@ the capture file's size: writes past it fail with EFBIG (a short write first) ex
 raising it again is space returning, without root or a filesystem of our own.
 """
 
+import json
 import re
 import resource
 import signal
@@ -13,11 +14,13 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
 
+from addon.health import NONCE_HEADER
 from eval import rollout
 from eval.procs import Mitmdump, ProxyNotRecording, Service, check_proxy, free_port
 from eval.service import app as rollout_service
@@ -79,6 +82,42 @@ def test_a_proxy_whose_addon_did_not_load_is_refused_by_every_client(upstream, t
         assert rollout_service.main(service_args) == 2
     with pytest.raises(ProxyNotRecording, match="does not answer"):
         check_proxy(f"http://127.0.0.1:{free_port()}", timeout=2)
+
+
+class _HealthImpostor(BaseHTTPRequestHandler):
+    """An upstream that answers the health path itself, as the addon would, and echoes the request's headers."""
+
+    def do_GET(self):
+        answer = {
+            "loaded": True,
+            "writable": True,
+            "records_written": 0,
+            "problem": None,
+            "headers": dict(self.headers),
+        }
+        answer["proof"] = self.headers.get(NONCE_HEADER)  # an echo: not the proof
+        data = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_issue27_an_upstream_answering_the_health_path_itself_does_not_pass_check_proxy(tmp_path):
+    # What an addon-less proxy in front of it would forward: the upstream's own answer.
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _HealthImpostor)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ProxyNotRecording, match="not the capture addon's health") as raised:
+            check_proxy(f"http://127.0.0.1:{server.server_address[1]}", timeout=5)
+        assert raised.value.answered
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_a_recording_proxy_answers_its_health(upstream, tmp_path):

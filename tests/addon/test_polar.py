@@ -1,6 +1,7 @@
 """The addon's hooks, called directly as mitmproxy's own addon tests do."""
 
 import json
+import secrets
 import time
 
 import pytest
@@ -8,13 +9,12 @@ from mitmproxy.test import tflow, tutils
 
 from addon import polar
 from addon.record import upstream_body
+from tests.captures import v1_bytes, v1_lines
 
 
 def read_records(directory):
-    lines = []
-    for path in sorted(directory.glob("*.jsonl")):
-        lines += [json.loads(line) for line in path.read_bytes().split(b"\n") if line]
-    return lines
+    """The records under ``directory`` as v1 records (a v2 one expanded), file by file."""
+    return [json.loads(line) for line in v1_lines(directory)]
 
 
 def make_chat_flow(*, body=None, stream=False, path="/v1/chat/completions", headers=(), raw=None):
@@ -178,6 +178,7 @@ def test_provider_secret_never_reaches_disk(addon, tctx, tmp_path):
     addon.done()
     for f in (tmp_path / "captures").iterdir():
         assert secret.encode() not in f.read_bytes()
+    assert secret.encode() not in v1_bytes(tmp_path / "captures")  # nor in a body a v2 record compresses
     assert len(read_records(tmp_path / "captures")) == 3
 
 
@@ -191,12 +192,14 @@ def test_failed_writer_refuses_model_calls(addon, tctx, tmp_path):
 
 def test_files_are_private_and_rotate(addon, tctx, tmp_path):
     tctx.configure(addon, polar_rotate_mb=1)
-    big = {"messages": [{"role": "user", "content": "x" * 400_000}]}
-    for _ in range(4):
-        run_exchange(addon, make_chat_flow(body=big), [b"{}"])
+    for _ in range(4):  # text that does not compress, in one session: v2 records refer to the previous one
+        big = {"messages": [{"role": "user", "content": secrets.token_urlsafe(600_000)}]}
+        run_exchange(addon, make_chat_flow(body=big, headers=((b"x-polar-session", b"s"),)), [b"{}"])
     addon.done()
     files = sorted((tmp_path / "captures").glob("*.jsonl"))
     assert len(files) >= 2
+    for f in files:  # a file's first record of a session is full: no reference crosses a rotation
+        assert json.loads(f.read_bytes().split(b"\n")[0])["base"] is None
     assert all(f.stat().st_mode & 0o777 == 0o600 for f in files)
     assert (tmp_path / "captures").stat().st_mode & 0o777 == 0o700
     assert len(read_records(tmp_path / "captures")) == 4
@@ -209,6 +212,10 @@ def test_bad_options_are_refused(addon, tctx):
         tctx.configure(addon, polar_upstream="tgi")
     with pytest.raises(OptionsError, match="polar_rotate_mb"):
         tctx.configure(addon, polar_rotate_mb=0)
+    with pytest.raises(OptionsError, match="polar_format must be 1 or 2"):
+        tctx.configure(addon, polar_format=3)
+    with pytest.raises(OptionsError, match="polar_max_decoded_mb must be at least 1"):
+        tctx.configure(addon, polar_max_decoded_mb=0)
 
 
 def test_hook_error_is_contained(addon, tctx, tmp_path, caplog, monkeypatch):

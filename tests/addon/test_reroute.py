@@ -12,6 +12,7 @@ from mitmproxy.test import taddons, tflow, tutils
 from mitmproxy.tls import ClientHello, ClientHelloData
 
 from addon import polar, reroute
+from tests.captures import v1_bytes, v1_lines
 
 UPSTREAM = "http://127.0.0.1:8000"
 SECRETS = ("sk-live-0123456789abcdef", "AIzaSyD-secret-google-key", "sk-ant-api03-secret")
@@ -43,7 +44,7 @@ def basic(user):
 
 
 def read_records(directory):
-    return [json.loads(line) for p in sorted(directory.glob("*.jsonl")) for line in p.read_bytes().split(b"\n") if line]
+    return [json.loads(line) for line in v1_lines(directory)]
 
 
 @pytest.fixture
@@ -214,7 +215,7 @@ def test_capture_only_forwards_the_key_and_records_no_secret(addons, tctx, tmp_p
         flow.response.raw_content = b"{}"
         addons[1].response(flow)
     addons[1].done()
-    data = b"".join(p.read_bytes() for p in (tmp_path / "captures").glob("*.jsonl"))
+    data = v1_bytes(tmp_path / "captures")
     assert not any(secret.encode() in data for secret in SECRETS) and b"c=1" not in data and b"s=2" not in data
     records = read_records(tmp_path / "captures")
     assert [(r["api"], r["upstream"], r["injected"], r["session_source"]) for r in records] == [

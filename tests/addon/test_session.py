@@ -49,9 +49,34 @@ def test_query_key_removed_keeps_other_params():
     assert s.source == "key_hash"
 
 
-def test_invalid_explicit_session_falls_through():
-    s = resolve({"x-polar-session": "../etc"}, "/v1/chat/completions", SALT)
-    assert s.source == "anonymous"
+@pytest.mark.parametrize(
+    ("headers", "path"),
+    [
+        ({"x-polar-session": "../etc"}, "/v1/chat/completions"),
+        ({"x-polar-session": "s" * 65536}, "/v1/chat/completions"),
+        ({"x-polar-session": "run-1\x00\x1b[2J"}, "/v1/chat/completions"),
+        ({}, "/s/..%2F..%2Fetc/v1/chat/completions"),
+        ({}, "/s/" + "p" * 300 + "/v1/chat/completions"),
+    ],
+)
+def test_issue27_an_invalid_session_id_is_hashed_into_its_own_session_never_anonymous(headers, path):
+    s = resolve(headers, path, SALT)
+    given = headers.get("x-polar-session") or path.split("/")[2]
+    assert s.source == "id_hash" and s.id.startswith("id-") and given not in s.id and is_session_id(s.id)
+    assert s.id == resolve(headers, path, SALT).id  # one id, one session
+    other = resolve({k: v + "x" for k, v in headers.items()}, path.replace("/v1", "x/v1", 1), SALT)
+    assert other.id != s.id and other.source == "id_hash"  # another invalid id: another session
+
+
+@pytest.mark.parametrize("token", ["xoxb-1234-5678-abcdef", "xoxp-12-34-ab", "xapp-1-A0-12-ab", "glpat-abcdef"])
+def test_issue27_slack_style_tokens_are_hashed_as_secrets(token):
+    for headers, path in (
+        ({"authorization": f"Bearer {token}"}, "/v1/chat/completions"),
+        ({"x-polar-session": token}, "/v1/chat/completions"),
+        ({}, f"/s/{token}/v1/chat/completions"),
+    ):
+        s = resolve(headers, path, SALT)
+        assert s.source == "key_hash" and token not in s.id
 
 
 def test_helpers():

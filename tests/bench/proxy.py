@@ -113,6 +113,8 @@ class Config:
     """Markdown results file (relative to the repository root); the JSON goes next to it as .json."""
     addon: Path = Path("addon/polar.py")
     """Capture addon loaded by the third path (relative to the repository root)."""
+    polar_format: int = 2
+    """Capture format the addon writes (its polar_format option): 2, the default, or 1 (for an A/B)."""
     # ---- workload
     body_kb: int = 100
     """Size of each non-streamed JSON request body, in KB."""
@@ -372,6 +374,7 @@ def start_paths(cfg: Config, plan: Plan, tmp: Path, polar_dir: Path, targets: li
     targets.append(Target("direct", f"http://127.0.0.1:{up_port}", proc=up_proc))
     addon = (ROOT / cfg.addon).resolve()
     addon_args = ["-s", str(addon), "--set", f"polar_dir={polar_dir}", "--set", "polar_upstream=vllm"]
+    addon_args += ["--set", f"polar_format={cfg.polar_format}"]
     stream_script = tmp / "stream_sse.py"
     stream_script.write_text(STREAM_SSE_SCRIPT)
     for name, extra in (("mitmdump", []), ("streaming", ["-s", str(stream_script)]), ("addon", addon_args)):

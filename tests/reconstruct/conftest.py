@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from eval.procs import Mitmdump, Service, free_port
+from tests.captures import v1_lines
 
 SCRIPT = [
     {
@@ -201,12 +202,7 @@ EXPECTED_CALLS = {
 
 
 def read_records(directory: Path) -> list[dict[str, Any]]:
-    return [
-        json.loads(line)
-        for path in sorted(directory.glob("*.jsonl"))
-        for line in path.read_bytes().split(b"\n")
-        if line
-    ]
+    return [json.loads(line) for line in v1_lines(directory)]
 
 
 @dataclasses.dataclass

@@ -22,7 +22,9 @@ from reconstruct import (
     write_trajectories,
 )
 from reconstruct._build import parse_shard
+from reconstruct._expand import expand_captures
 from reconstruct._io import CaptureRecord, parse_record
+from tests.captures import v1_lines
 from tests.reconstruct.conftest import EXPECTED_CALLS, S, oracle
 
 
@@ -37,11 +39,11 @@ def folder(captures, tmp_path_factory):
     line, a record of a future format version, a non-model call and a torn last line."""
     out = tmp_path_factory.mktemp("rotated")
     (path,) = captures.vllm_dir.glob("*.jsonl")
-    lines = path.read_bytes().split(b"\n")[:-1]
+    lines = v1_lines(captures.vllm_dir)  # damage is made on v1 lines; the plain calls stay v2 (a mixed run)
     half = len(lines) // 2
-    future = json.loads(lines[0])
-    future["v"], future["id"] = 2, "f" * 32
-    other = {**json.loads(lines[1]), "id": "e" * 32, "api": "other", "path": "/v1/models", "request": None}
+    future = unsealed_record(lines[0])
+    future["v"], future["id"] = 99, "f" * 32
+    other = {**unsealed_record(lines[1]), "id": "e" * 32, "api": "other", "path": "/v1/models", "request": None}
     first = [*lines[:half], b"{this is not json", json.dumps(future).encode(), json.dumps(other).encode()]
     (out / path.name).write_bytes(b"\n".join(first) + b"\n")
     (out / path.name.replace(".jsonl", ".1.jsonl")).write_bytes(b"\n".join(lines[half:]) + b"\n" + lines[0][:300])
@@ -189,9 +191,20 @@ def test_bad_inputs(tmp_path):
 # --- hostile input (issue 16): records met twice, glued lines, bodies only Python's json reads ---------------------
 
 
+def unsealed(line):
+    """A record line without its checksum member (as records written before issue 27): a test may then edit it."""
+    return line[: line.rindex(b', "crc": ')] + b"}"
+
+
+def unsealed_record(line):
+    record = json.loads(line)
+    del record["crc"]
+    return record
+
+
 def _vllm_lines(captures):
     (path,) = captures.vllm_dir.glob("*.jsonl")
-    return path.name, path.read_bytes().split(b"\n")[:-1]
+    return path.name, v1_lines(captures.vllm_dir)  # as v1 lines, which these tests damage byte by byte
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +271,7 @@ def test_the_prompt_array_is_lifted_out_of_the_line_unparsed(captures):
     in the response body) and the chunk timings (null), and its request bodies only when read."""
     _, lines = _vllm_lines(captures)
     for line in lines:
-        plain = json.loads(line)
+        plain = unsealed_record(line)  # the checksum is checked and cut off
         record = parse_record(bytearray(line))
         prompt, _, _ = oracle(plain)
         assert isinstance(record, CaptureRecord) and record.prompt is not None and record.prompt.ids() == prompt
@@ -272,7 +285,7 @@ def test_the_prompt_array_is_lifted_out_of_the_line_unparsed(captures):
 def test_nan_and_infinity_in_request_bodies_are_read_as_the_upstream_reads_them(captures, reference, tmp_path):
     """Python's json.dumps writes NaN and Infinity, vLLM reads them: the request (messages, tools, model) is kept."""
     name, lines = _vllm_lines(captures)
-    text = b"\n".join(lines) + b"\n"
+    text = b"\n".join(map(unsealed, lines)) + b"\n"
     odd = text.replace(b'"temperature":0', b'"temperature":NaN').replace(
         b'"model":"tiny"', b'"model":"tiny","x":-Infinity', 1
     )
@@ -288,8 +301,45 @@ def test_request_bodies_that_do_not_parse_are_counted(captures, reference, tmp_p
     """The head parses, the bodies do not: the answer's tokens are kept, and each lost request is counted."""
     name, lines = _vllm_lines(captures)
     key = b'"request": '
-    damaged = [line.replace(key, key + b"{oops", 1) for line in lines]
+    damaged = [unsealed(line).replace(key, key + b"{oops", 1) for line in lines]
     (tmp_path / name).write_bytes(b"\n".join(damaged) + b"\n")
     df, stats = reconstruct([tmp_path])
     assert (stats.corrupt_lines, stats.calls, df.height) == (0, reference[1].calls, reference[0].height)
     assert stats.unreadable_bodies >= df.height and df["model"].null_count() == df.height  # each row's last call
+
+
+@pytest.mark.slow
+def test_issue27_a_line_spliced_from_two_records_fails_its_checksum(captures, reference, tmp_path):
+    """The head of one session's record and the bodies of another's parse as one valid record: the checksum of the
+    second, which ends the line, rejects it, so no trace holds one session's answer with another's request."""
+    name, lines = _vllm_lines(captures)
+    sessions = [json.loads(line)["session_id"] for line in lines]
+    i = next(i for i in range(len(lines) - 1) if sessions[i] != sessions[i + 1])
+    key = b', "request": '
+    spliced = lines[i][: lines[i].index(key)] + lines[i + 1][lines[i + 1].index(key) :]
+    assert json.loads(spliced)["session_id"] == sessions[i]  # valid JSON: only the checksum tells
+    (tmp_path / name).write_bytes(b"\n".join([*lines[:i], spliced, *lines[i + 1 :]]) + b"\n")
+    df, stats = reconstruct([tmp_path])
+    assert (stats.corrupt_lines, stats.calls) == (1, len(lines) - 1)
+    assert json.loads(lines[i])["id"] not in {e for ids in df["exchange_ids"] for e in ids}
+    assert parse_record(bytearray(spliced)) is None and parse_record(bytearray(lines[i])) is not None
+
+
+@pytest.mark.slow
+def test_issue27_v1_v2_and_mixed_captures_give_the_same_parquet_bytes(captures, tokenizer, tmp_path):
+    """The fixture's captures are v2 (the addon's default); expanded back to v1, and half of them, they give the
+    same file byte for byte."""
+    v2 = [captures.vllm_dir, captures.plain_dir]
+    assert all(
+        line.startswith(b'{"v": 2, ')
+        for line in b"".join(p.read_bytes() for d in v2 for p in d.glob("*.jsonl")).split(b"\n")[:-1]
+    )
+    v1 = [tmp_path / "v1" / "vllm", tmp_path / "v1" / "plain"]
+    for source, target in zip(v2, v1, strict=True):
+        counts = expand_captures([source], target)
+        assert counts.expanded == counts.lines and counts.corrupt == counts.unresolved == counts.torn == 0
+    outputs = []
+    for name, folders in (("v2", v2), ("v1", v1), ("mixed", [v2[0], v1[1]])):
+        df, stats = reconstruct(folders, tokenizer=tokenizer)
+        outputs.append(write_trajectories(df, stats, tmp_path / f"{name}.parquet").read_bytes())
+    assert outputs[0] == outputs[1] == outputs[2]

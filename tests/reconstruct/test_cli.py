@@ -1,13 +1,17 @@
 """reconstruct/__main__.py: the three commands, in process (main(argv)) and once as ``python -m reconstruct``."""
 
+import json
+import random
 import subprocess
 import sys
 
 import pytest
 
+from addon.writer import CaptureWriter
 from eval.procs import ROOT
-from reconstruct import schema
+from reconstruct import reconstruct, schema
 from reconstruct.__main__ import main
+from tests.addon.test_record_v2 import decode, session
 
 
 @pytest.mark.slow
@@ -75,3 +79,52 @@ def test_no_usable_record_exits_non_zero_and_writes_nothing(captures, tmp_path, 
     assert main([str(tmp_path / "empty"), "-o", str(out), "--no-progress"]) == 2
     assert main([str(tmp_path / "empty"), "-o", str(out), "--no-progress", "--allow-empty"]) == 0
     assert schema.read(out).height == 0
+
+
+def write_capture(folder, exchanges, version):
+    writer = CaptureWriter(folder, rotate_bytes=1 << 30, fsync=False, decode_content=decode, format_version=version)
+    for ex in exchanges:
+        writer.submit(ex)
+    assert writer.close() == []
+    (path,) = folder.glob("*.jsonl")
+    return path
+
+
+def test_issue27_expand_writes_the_v1_capture_of_the_same_calls_byte_for_byte(tmp_path, capsys):
+    rng = random.Random(0)
+    exchanges = [ex for pair in zip(session(rng, 20), session(rng, 20, sid="s2"), strict=True) for ex in pair]
+    v1 = write_capture(tmp_path / "v1", exchanges, 1).read_bytes()
+    v2 = write_capture(tmp_path / "v2", exchanges, 2)
+    assert len(v2.read_bytes()) < len(v1) / 4
+    assert main(["expand", str(tmp_path / "v2"), "-o", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / v2.name).read_bytes() == v1
+    assert "40 v2 records expanded" in capsys.readouterr().err
+
+    lines = v2.read_bytes().split(b"\n")[:-1]  # s1 record 3 torn (a kill, then appending went on)
+    (tmp_path / "torn").mkdir()
+    (tmp_path / "torn" / v2.name).write_bytes(b"\n".join([*lines[:6], lines[6][:100], *lines[7:]]) + b"\n")
+    assert main(["expand", str(tmp_path / "torn"), "-o", str(tmp_path / "out2")]) == 0
+    err = capsys.readouterr().err
+    assert "left out: 1 corrupt, 12 whose base record was lost" in err  # s1 records 4 to 15; its 16th is full
+    kept = v1.split(b"\n")[:-1]
+    lost = {6, *range(8, 32, 2)}
+    assert (tmp_path / "out2" / v2.name).read_bytes() == b"".join(
+        line + b"\n" for i, line in enumerate(kept) if i not in lost
+    )
+    _, stats = reconstruct([tmp_path / "torn"])  # the reader counts the same, as a cause of lost calls
+    assert (stats.corrupt_lines, stats.unresolved_records) == (1, 12)
+    assert main(["expand", str(tmp_path / "v2"), "-o", str(tmp_path / "v2")]) == 2  # never over the captures
+
+
+def test_issue27_a_spliced_v2_line_fails_its_checksum(tmp_path):
+    rng = random.Random(1)
+    exchanges = [ex for pair in zip(session(rng, 2), session(rng, 2, sid="s2"), strict=True) for ex in pair]
+    lines = write_capture(tmp_path / "v2", exchanges, 2).read_bytes().split(b"\n")[:-1]
+    key = b', "z": '
+    spliced = lines[0][: lines[0].index(key)] + lines[1][lines[1].index(key) :]  # s1's head, s2's bodies
+    assert json.loads(spliced)["session_id"] == "s1"  # valid JSON: only the checksum tells
+    (tmp_path / "spliced").mkdir()
+    (tmp_path / "spliced" / "capture.jsonl").write_bytes(b"\n".join([spliced, *lines[2:]]) + b"\n")
+    _, stats = reconstruct([tmp_path / "spliced"])
+    # Both sessions' next records refer to a record that is gone (the splice took the place of both).
+    assert (stats.corrupt_lines, stats.unresolved_records) == (1, 2)

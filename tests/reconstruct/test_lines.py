@@ -61,7 +61,7 @@ def test_head_of_every_real_record(captures):
             record = json.loads(data[ref.offset : ref.offset + ref.length])
             head = parse_head(ref.head)
             assert head is not None and (head.version, head.id, head.session_id) == (
-                1,
+                record["v"],
                 record["id"],
                 record["session_id"],
             )

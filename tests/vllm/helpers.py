@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +10,7 @@ import polars as pl
 
 from eval.upstream.vllm import SERVED_NAME
 from reconstruct import Stats, reconstruct
-from tests.captures import read_records, tokens_of
+from tests.captures import read_records, session_lines, tokens_of
 
 __all__ = ["SERVED_NAME", "TOOLS", "openai_client", "read_records", "rebuild", "tokens_of"]
 
@@ -39,5 +38,5 @@ def rebuild(captures: Path, session: str, tmp: Path, *, calls: int, **options: A
     records = read_records(captures, session=session, expect=calls)
     assert len(records) == calls, f"session {session}: {len(records)} records, expected {calls}"
     tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / f"{session}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp / f"{session}.jsonl").write_bytes(b"".join(line + b"\n" for line in session_lines(captures, session)))
     return reconstruct([tmp / f"{session}.jsonl"], **options)

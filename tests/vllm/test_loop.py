@@ -16,6 +16,7 @@ from eval.procs import ROOT
 from eval.runs import read_sessions
 from eval.tasks import load_tasks
 from reconstruct import audit, schema, score_trace
+from tests.captures import session_lines
 from tests.train.helpers import groups, write
 from tests.vllm.conftest import MODEL_DIR
 from tests.vllm.helpers import SERVED_NAME, openai_client, read_records, tokens_of
@@ -57,9 +58,9 @@ def test_a_harness_rollout_is_recorded_and_rebuilt_with_the_captured_ids(mini_ru
     records = read_records(proxy.captures, session=session["session_id"], expect=1)
     assert records and all(r["api"] == "chat" and r["status"] == 200 and r["streamed"] for r in records)
     out = tmp_path / "trajectories.parquet"
-    lines = [json.dumps(r) for r in records]
+    lines = session_lines(proxy.captures, session["session_id"])  # as written: a record carries its checksum
     (tmp_path / "captures").mkdir()
-    (tmp_path / "captures" / "mini.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "captures" / "mini.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     built = subprocess.run(
         [sys.executable, "-m", "reconstruct", str(tmp_path / "captures"), "-o", str(out), "--no-progress"],
         cwd=ROOT,

@@ -23,6 +23,7 @@ import pytest
 from eval.demo import report as demo_report
 from eval.runs import read_rewards, read_sessions
 from reconstruct import schema
+from tests.captures import v1_lines
 
 ROOT = Path(__file__).resolve().parents[3]
 TASK, HELDOUT, TEACH = "polar-toy__retries-1", "polar-toy__units-1", "polar-toy__greeting-1"
@@ -99,7 +100,7 @@ def demo_run(run_once, tiny_model_dir) -> Path:
 
 
 def records(folder: Path) -> list[dict]:
-    return [json.loads(line) for f in sorted(folder.glob("*.jsonl")) for line in f.read_text().splitlines() if line]
+    return [json.loads(line) for line in v1_lines(folder)]
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ from transformers import AutoTokenizer
 
 from eval.harness.presets import HarnessRun, run_harness
 from eval.procs import Mitmdump, ReferenceServer
+from tests.captures import v1_lines
 
 pytestmark = pytest.mark.slow
 
@@ -99,12 +100,7 @@ def round_trip(harness: str, case: Case, *, model_dir: Path, bin_dir: Path, tmp:
             bin_dir=bin_dir,
         )
     # Both services have stopped: mitmdump flushed every record on SIGTERM.
-    records = [
-        record
-        for path in sorted((tmp / "captures").glob("*.jsonl"))
-        for line in path.read_bytes().split(b"\n")
-        if line and (record := json.loads(line))["session_id"] == session
-    ]
+    records = [record for line in v1_lines(tmp / "captures") if (record := json.loads(line))["session_id"] == session]
     served = re.findall(r'"POST /v1/chat/completions HTTP/1.1" (\d+)', (tmp / "server.log").read_text())
     return RoundTrip(run, workspace, sorted(records, key=lambda r: r["t_start"]), [int(s) for s in served], tmp)
 

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 from eval.harness.transparent import TransparentMitmdump, harness_env, run_transparent
 from eval.procs import ReferenceServer
-from tests.captures import read_records, tokens_of
+from tests.captures import read_records, tokens_of, v1_bytes
 from tests.eval.harness.test_harnesses import CASES, COMMAND, FINAL, PROMPT, RUN_TIMEOUT, script, token_ids
 
 pytestmark = pytest.mark.slow
@@ -110,7 +110,7 @@ def test_capture_only_records_without_secrets(proxy):
         "header",
     )
     assert json.loads(record["response_body"])["choices"]
-    data = b"".join(path.read_bytes() for path in proxy.captures.glob("*.jsonl"))
+    data = v1_bytes(proxy.captures)
     assert SECRET.encode() not in data and GOOGLE_SECRET.encode() not in data and b"c=SECRET" not in data
 
 
