@@ -53,7 +53,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from train import data, losses, runtime
+from train import data, launch, losses, runtime
 from train.data import DataError, MicroBatch, Trace
 from train.logprobs import TokenLoss, fused_token_loss, token_logprobs
 
@@ -351,7 +351,7 @@ def rank_micro_batches(
 
 
 def main(cfg: Config) -> None:
-    accelerator = Accelerator(step_scheduler_with_optimizer=False)
+    accelerator = launch.accelerator()  # a GPU config on a CPU box runs on gloo
     print0, device = accelerator.print, accelerator.device
     rank, world = accelerator.process_index, accelerator.num_processes
     set_seed(cfg.seed)

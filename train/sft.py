@@ -46,7 +46,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from train import data, losses, runtime
+from train import data, launch, losses, runtime
 from train.data import DataError, MicroBatch, Trace
 from train.grpo import TrainConfigError, load_policy
 
@@ -225,7 +225,7 @@ def accumulate(accelerator: Accelerator, policy: torch.nn.Module, mb: MicroBatch
 
 
 def main(cfg: Config) -> None:
-    accelerator = Accelerator(step_scheduler_with_optimizer=False)
+    accelerator = launch.accelerator()  # a GPU config on a CPU box runs on gloo
     print0, device = accelerator.print, accelerator.device
     rank, world = accelerator.process_index, accelerator.num_processes
     set_seed(cfg.seed)
