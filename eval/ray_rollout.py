@@ -181,7 +181,7 @@ def run_round(
         pending.append(i)
 
     try:
-        while pending or running:
+        while True:
             while pending and len(running) < args.concurrency:
                 i = pending.pop(0)
                 running[_session.remote(current[i], args, urls, roll_out)] = i
@@ -199,6 +199,8 @@ def run_round(
                 for i in [i for i, result in done.items() if result["node"] == node]:
                     del done[i]
                     lose(i, node, "node_died")
+            if not pending:
+                break
             if not urls:
                 raise EvalError("every node's capture proxy died: no node is left to run the lost sessions on")
         _gather_captures(actors, urls, run_dir / CAPTURES)
@@ -229,7 +231,11 @@ def _alive(actor: Any) -> bool:
 
 def _gather_captures(actors: dict[str, Any], urls: dict[str, str], folder: Path) -> None:
     for node in urls:
-        for name, data in ray.get(actors[node].finish.remote()).items():
+        try:
+            files = ray.get(actors[node].finish.remote())
+        except ray.exceptions.RayActorError as e:  # between the last check and now: its sessions cannot be rerun
+            raise EvalError(f"node {node} died as the round ended; its sessions' captures are lost: {e}") from e
+        for name, data in files.items():
             path = folder / node[:16] / name
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)

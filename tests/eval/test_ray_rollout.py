@@ -1,11 +1,12 @@
 """``python -m eval rollout --ray`` on a two-node Ray cluster on this machine (``ray.cluster_utils.Cluster``): a round
-gives what one machine gives (statuses, rewards, reconstructed token ids), and a worker killed mid-session loses
-nothing and counts nothing twice.
+gives what one machine gives (statuses, rewards, reconstructed token ids), and a round that loses a worker and a
+node mid-session loses nothing and counts nothing twice.
 
 Both nodes share one scripted reference server (each node's proxy forwards to its URL); the cluster is small (one
 CPU a node, no dashboard, a small object store) because CI has two cores.
 """
 
+import contextlib
 import json
 import os
 import shlex
@@ -65,11 +66,24 @@ def cluster():
     nodes.shutdown()
 
 
-def ray_rollout(cluster, server, tasks, out, *extra):
-    ids = sorted(t["instance_id"] for t in tasks.values())
-    cli = [sys.executable, "-m", "eval", "rollout", "--ray", cluster.address, "--upstream", server.url]
-    cli += ["--tasks", "toy", "--instance-ids", *ids, "--out", str(out), "--timeout", "120", *extra]
-    return subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+@pytest.fixture
+def ray_rollout(cluster, server, tasks):
+    """Factory: ``ray_rollout(out, *flags)`` starts ``python -m eval rollout --ray`` on the cluster (the driver, as a
+    user runs it); a driver still running when the test ends is killed."""
+    drivers = []
+
+    def start(out, *extra):
+        ids = sorted(t["instance_id"] for t in tasks.values())
+        cli = [sys.executable, "-m", "eval", "rollout", "--ray", cluster.address, "--upstream", server.url]
+        cli += ["--tasks", "toy", "--instance-ids", *ids, "--out", str(out), *extra]
+        drivers.append(subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        return drivers[-1]
+
+    yield start
+    for driver in drivers:
+        if driver.poll() is None:
+            driver.kill()
+        driver.communicate()
 
 
 def traces_by_sample(captures, sessions):
@@ -93,9 +107,9 @@ def node_folders_of(captures):
     return found
 
 
-def test_a_round_over_two_nodes_gives_what_one_machine_gives(cluster, server, tasks, tmp_path):
+def test_a_round_over_two_nodes_gives_what_one_machine_gives(ray_rollout, server, tasks, tmp_path):
     one, spread = tmp_path / "one", tmp_path / "ray"
-    driver = ray_rollout(cluster, server, tasks, spread, "--harness", "mini", "--concurrency", "2")
+    driver = ray_rollout(spread, "--harness", "mini", "--concurrency", "2", "--timeout", "120")
     with Mitmdump(server.url, tmp_path / "captures", log=tmp_path / "mitmdump.log") as proxy:
         args = rollout.Args(
             tasks="toy",
@@ -142,45 +156,59 @@ def test_a_round_over_two_nodes_gives_what_one_machine_gives(cluster, server, ta
     assert spread_traces == one_traces and len(one_traces) == 2
 
 
-def test_a_worker_killed_mid_session_loses_nothing_and_counts_nothing_twice(cluster, server, tasks, tmp_path):
-    # Each session runs the mini agent; the first one to finish it then parks, so the test can kill its worker.
-    mark = tmp_path / "parked"
+def test_a_worker_and_a_node_killed_mid_round_lose_nothing_and_count_nothing_twice(
+    cluster, ray_rollout, tasks, tmp_path
+):
+    # Each session runs the mini agent, then parks until the test releases it; an attempt that reaches that point
+    # after the release goes on. With a CPU a node, one session parks on each node.
+    release = tmp_path / "release"
     agent = f"{shlex.quote(sys.executable)} -P {shlex.quote(str(MINI))} --model tiny --workspace ."
     agent += ' --base-url "$OPENAI_BASE_URL" --api-key "$OPENAI_API_KEY" --prompt-file <(printf %s {instruction})'
-    park = f"if ( set -C; echo $$ > {shlex.quote(str(mark))} ) 2>/dev/null; then sleep 600; fi"
+    wait = f"while [ ! -e {shlex.quote(str(release))} ]; do sleep 0.2; done"
+    park = (
+        f"{{ [ -e {shlex.quote(str(release))} ] || {{ echo $$ > {shlex.quote(str(tmp_path))}/parked-$$; {wait}; }}; }}"
+    )
     run = tmp_path / "run"
-    driver = ray_rollout(cluster, server, tasks, run, "--harness", "shell", "--command", f"{agent} && {park}")
+    command = f"{agent} && {park}"
+    driver = ray_rollout(run, "--harness", "shell", "--command", command, "--concurrency", "2", "--timeout", "600")
 
     deadline = time.monotonic() + ROUND_TIMEOUT
-    while not (mark.exists() and mark.read_text().strip()):
+    while len(parked := list(tmp_path.glob("parked-*"))) < 2:
         assert driver.poll() is None, driver.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "no session parked"
+        assert time.monotonic() < deadline, f"{len(parked)} of 2 sessions parked"
         time.sleep(0.5)
-    harness = psutil.Process(int(mark.read_text()))
-    worker = harness.parent()  # the Ray worker running the session; Ray titles it after the task
-    assert worker.cmdline()[0].startswith("ray::"), worker.cmdline()
-    os.kill(worker.pid, signal.SIGKILL)
-    os.killpg(harness.pid, signal.SIGKILL)  # the harness has its own process group; the worker took no one with it
+    [node] = cluster.worker_nodes
+    raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
+    harnesses = [psutil.Process(int(p.name.split("-")[1])) for p in parked]  # each one's parent: its Ray worker
+    [on_head] = [h for h in harnesses if h.parent().parent() != raylet]
+    assert on_head.parent().cmdline()[0].startswith("ray::"), on_head.parent().cmdline()  # titled after the task
+    os.kill(on_head.parent().pid, signal.SIGKILL)  # the worker of the head's session...
+    os.killpg(on_head.pid, signal.SIGKILL)  # ...and its harness: its own process group, which the worker left behind
+    on_node = raylet.children(recursive=True)  # its workers, its proxy's mitmdump, the harness parked there
+    cluster.remove_node(node, allow_graceful=False)  # ...and the other node, with all it ran
+    for process in on_node:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    release.touch()
     _, stderr = driver.communicate(timeout=ROUND_TIMEOUT)
+    cluster.add_node(**SMALL_NODE)  # two nodes again, for any test after this one
     assert driver.returncode == 0, stderr[-3000:]
 
-    sessions, rewards = read_sessions(run), read_rewards(run)
-    lost = read_lost(run)
-    assert lost.schema == LOST_SCHEMA
-    assert lost.height == 1 and lost["reason"].to_list() == ["WorkerCrashedError"]
-    victim = lost.row(0, named=True)
-    # Every task once, finished, graded once; the lost attempt in neither table, its rerun in both.
+    sessions, rewards, lost = read_sessions(run), read_rewards(run), read_lost(run)
+    assert lost.schema == LOST_SCHEMA and lost.height == 2, lost
+    # Every task once, finished, graded once; the lost attempts in neither table, their reruns in both.
     assert sorted(sessions["task_id"]) == sorted(t["instance_id"] for t in tasks.values())
     assert sessions["status"].to_list() == ["ok", "ok"], sessions["error"].to_list()
     assert sorted(rewards["session_id"]) == sorted(sessions["session_id"])
-    assert victim["session_id"] not in set(sessions["session_id"])
-    rerun = sessions.filter(pl.col("task_id") == victim["task_id"]).row(0, named=True)
-    assert rerun["session_id"] != victim["session_id"]
+    assert not set(lost["session_id"]) & set(sessions["session_id"])
     expected = {tasks["fixed"]["instance_id"]: 1.0, tasks["wrong"]["instance_id"]: 0.0}
     assert dict(zip(rewards["task_id"], rewards["reward"], strict=True)) == expected
 
-    # The lost attempt's calls were recorded before the kill; --skip-sessions lost.parquet leaves them out.
-    assert victim["session_id"] in node_folders_of(run / CAPTURES)
+    # Only the surviving node's captures came back. They hold the head's lost attempt (its calls were recorded
+    # before the kill), which --skip-sessions lost.parquet leaves out of the trajectories.
+    assert [folder.name for folder in (run / CAPTURES).iterdir()] == [cluster.head_node.node_id[:16]]
+    recorded = set(node_folders_of(run / CAPTURES))
+    assert len(recorded & set(lost["session_id"])) == 1 and recorded >= set(sessions["session_id"])
     traces = run / "trajectories.parquet"
     cli = [sys.executable, "-m", "reconstruct", str(run / CAPTURES), "-o", str(traces), "--no-progress"]
     cli += ["--sessions", str(run / "sessions.parquet"), "--skip-sessions", str(run / LOST)]
