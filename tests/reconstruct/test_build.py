@@ -22,7 +22,7 @@ from reconstruct import (
     write_trajectories,
 )
 from reconstruct._build import parse_shard
-from reconstruct._io import CaptureRecord, parse_record
+from reconstruct._io import CaptureRecord, parse_record, read_session_ids
 from tests.reconstruct.conftest import EXPECTED_CALLS, S, oracle
 
 
@@ -159,6 +159,20 @@ def test_sessions_table_fills_task_and_sample(folder, captures, tokenizer, tmp_p
     pl.DataFrame({"session_id": ["a", "a"], "task_id": ["x", "y"]}).write_parquet(tmp_path / "twice.parquet")
     with pytest.raises(ConfigError, match="more than once"):
         read_session_tasks(tmp_path / "twice.parquet")
+
+
+@pytest.mark.slow
+def test_skipped_sessions_are_left_out_and_the_rest_is_unchanged(folder, captures, tmp_path):
+    whole, _ = reconstruct([folder])
+    pl.DataFrame({"session_id": [S.retry], "reason": ["WorkerCrashedError"]}).write_parquet(tmp_path / "lost.parquet")
+    skip = read_session_ids(tmp_path / "lost.parquet")
+    assert skip == {S.retry}
+    df, _ = reconstruct([folder], skip=skip)
+    assert_frame_equal(df, whole.filter(pl.col("session_id") != S.retry))
+    assert S.retry in set(whole["session_id"])
+    pl.DataFrame({"id": ["a"]}).write_parquet(tmp_path / "bad.parquet")
+    with pytest.raises(ConfigError, match=r"bad\.parquet: needs a session_id column"):
+        read_session_ids(tmp_path / "bad.parquet")
 
 
 @pytest.mark.slow
