@@ -89,7 +89,8 @@ def ray_rollout(cluster, server, tasks):
 def traces_by_sample(captures, sessions):
     """(task_id, sample_id) -> the token ids of its traces, in chain order."""
     mapping = {r["session_id"]: (r["task_id"], r["sample_id"]) for r in sessions.iter_rows(named=True)}
-    df, _ = reconstruct(captures, sessions=mapping)
+    df, stats = reconstruct(captures, sessions=mapping)
+    assert stats.duplicate_records == 0  # record ids are unique across the nodes' proxies
     out = {}
     for row in df.sort("session_id", "chain_index").iter_rows(named=True):
         out.setdefault((row["task_id"], row["sample_id"]), []).append((row["prompt_ids"], row["response_ids"]))
