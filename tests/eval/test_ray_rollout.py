@@ -60,8 +60,8 @@ def server(tasks, tiny_model_dir, tmp_path_factory):
 def cluster():
     """Two nodes (the head and one more), one CPU each; the test process is not a Ray driver."""
     nodes = Cluster(initialize_head=True, head_node_args={**SMALL_NODE, "include_dashboard": False})
-    nodes.add_node(**SMALL_NODE)
-    nodes.wait_for_nodes()
+    nodes.add_node(wait=False, **SMALL_NODE)
+    nodes.wait_for_nodes(timeout=ROUND_TIMEOUT)  # polled; Ray's default of 30 s is short for a busy 2-core box
     yield nodes
     nodes.shutdown()
 
@@ -192,7 +192,8 @@ def test_a_worker_and_a_node_killed_mid_round_lose_nothing_and_count_nothing_twi
             process.kill()
     release.touch()
     _, stderr = driver.communicate(timeout=ROUND_TIMEOUT)
-    cluster.add_node(**SMALL_NODE)  # two nodes again, for any test after this one
+    cluster.add_node(wait=False, **SMALL_NODE)  # two nodes again, for any test after this one
+    cluster.wait_for_nodes(timeout=ROUND_TIMEOUT)
     assert driver.returncode == 0, stderr[-3000:]
 
     sessions, rewards, lost = read_sessions(run), read_rewards(run), read_lost(run)
