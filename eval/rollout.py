@@ -3,6 +3,7 @@
     python -m eval rollout --tasks toy --harness mini --samples 4 --proxy http://127.0.0.1:8080 --out runs/r1 \\
         [--model NAME] [--concurrency K] [--timeout S] [--instance-ids ID ...] [--command 'CMD {instruction}']
         [--transparent --ca-cert CA.pem]
+    python -m eval rollout ... --ray auto --upstream http://127.0.0.1:8000   # over a Ray cluster: eval/ray_rollout.py
 
 For every task and sample: a fresh git checkout of the task's repo (eval.tasks.checkout), a session id that is
 unique to this run (``<run>-<nonce>-<instance_id>-<sample>``; it is the API key, so the proxy files every call
