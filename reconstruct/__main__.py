@@ -2,6 +2,7 @@
 
     python -m reconstruct CAPTURES... -o trajectories.parquet [--tokenizer DIR_OR_NAME] [--sessions sessions.parquet]
         [--mode prefix|per-request] [--eot-token TOKEN] [--on-drift split|keep] [--shard I/N] [--jobs N]
+        [--skip-sessions lost.parquet]
     python -m reconstruct stats trajectories.parquet
     python -m reconstruct audit trajectories.parquet --model DIR [--threshold 0.01]
     python -m reconstruct expand CAPTURES... -o FOLDER    # v2 records written back as the v1 records they stand for
@@ -56,6 +57,9 @@ class Build:
     """Sessions table (session_id, task_id[, sample_id]) to fill task_id and sample_id."""
     shard: str | None = None
     """I/N: only the sessions whose stable hash is I modulo N (run N processes, one per shard)."""
+    skip_sessions: Path | None = None
+    """Parquet table whose session_id column lists sessions to leave out: a Ray round's lost.parquet, the attempts
+    that lost their worker and were run again (their partial records must not be trained on)."""
     jobs: int | None = None
     """Worker processes that build sessions in parallel (the output is the same for any number); default: one
     per CPU, up to 8, once the captures pass 256 MB, else 1 (starting a worker costs about half a second)."""
@@ -118,12 +122,13 @@ def build(config: Build) -> None:
     from tqdm import tqdm
 
     from reconstruct._build import parse_shard, reconstruct, stats_path, write_trajectories
-    from reconstruct._io import read_session_tasks
+    from reconstruct._io import read_session_ids, read_session_tasks
     from reconstruct._retokenize import parse_eot
 
     tokenizer = _tokenizer(config.tokenizer) if config.tokenizer else None
     eot = parse_eot(config.eot_token, tokenizer) if config.eot_token else None
     sessions = read_session_tasks(config.sessions) if config.sessions else None
+    skip = read_session_ids(config.skip_sessions) if config.skip_sessions else frozenset()
     started = time.perf_counter()
     df, stats = reconstruct(
         list(config.captures),
@@ -133,12 +138,15 @@ def build(config: Build) -> None:
         on_drift=config.on_drift,
         eot_id=eot,
         shard=parse_shard(config.shard) if config.shard else None,
+        skip=skip,
         jobs=config.jobs if config.jobs is not None else _auto_jobs(config.captures),
         progress=(lambda names: tqdm(names, unit="session", disable=None)) if config.progress else None,
     )
     if df.height == 0 and not (config.allow_empty and stats.lines == 0):
         raise ReconstructError(_nothing_usable(config.captures, stats))
     write_trajectories(df, stats, config.output)
+    if skip:
+        console.print(f"left out the sessions listed in {config.skip_sessions} ({len(skip):,})", markup=False)
     console.print(stats.table(f"{config.output} ({time.perf_counter() - started:.1f} s)"))
     console.print(f"wrote {config.output} and {stats_path(config.output)}", markup=False, soft_wrap=True)
 

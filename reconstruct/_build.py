@@ -56,13 +56,15 @@ def reconstruct(
     on_drift: str = "split",
     eot_id: int | None = None,
     shard: tuple[int, int] | None = None,
+    skip: frozenset[str] = frozenset(),
     jobs: int = 1,
     progress: Callable[[list[str]], Iterable[Any]] | None = None,
 ) -> tuple[pl.DataFrame, Stats]:
     """The trajectory table of the captures under ``paths``, and what happened on the way.
 
     ``tokenizer`` rebuilds ids for calls recorded without them and gives the end-of-turn token (``eot_id``
-    overrides it); ``sessions`` maps session ids to (task_id, sample_id); ``jobs`` > 1 builds batches of sessions
+    overrides it); ``sessions`` maps session ids to (task_id, sample_id); ``skip``: session ids left out (a Ray
+    round's lost attempts, eval/ray_rollout.py); ``jobs`` > 1 builds batches of sessions
     in that many worker processes (the same table, byte for byte); ``progress`` wraps the session list (tqdm, for
     instance)."""
     if jobs < 1:
@@ -83,7 +85,7 @@ def reconstruct(
             for _ in range(jobs):
                 pool.submit(_ready)
         index = stack.enter_context(CaptureIndex(files))
-        names = sorted(s for s in index.sessions if in_shard(s, shard))
+        names = sorted(s for s in index.sessions if in_shard(s, shard) and s not in skip)
         ticks = iter(progress(names)) if progress else iter(names)
         if pool is None or len(names) < 2:
             frames, part = _build(index, names, sessions or {}, options, ticks)

@@ -29,6 +29,7 @@ __all__ = [
     "has_upstream_request",
     "lifted_prompt",
     "parse_record",
+    "read_session_ids",
     "read_session_tasks",
 ]
 
@@ -426,6 +427,17 @@ def read_session_tasks(path: Path) -> dict[str, tuple[str | None, int | None]]:
     samples = df["sample_id"].cast(pl.Int32).to_list() if "sample_id" in df.columns else [None] * df.height
     tasks = df["task_id"].cast(pl.String).to_list()
     return {str(s): (t, n) for s, t, n in zip(df["session_id"].cast(pl.String).to_list(), tasks, samples, strict=True)}
+
+
+def read_session_ids(path: Path) -> frozenset[str]:
+    """The ``session_id`` column of a Parquet table (``lost.parquet`` of a Ray round, eval/ray_rollout.py)."""
+    try:
+        columns = pl.read_parquet_schema(path)
+    except (OSError, pl.exceptions.ComputeError) as e:
+        raise ConfigError(f"{path}: not a readable Parquet table: {e}") from e
+    if "session_id" not in columns:
+        raise ConfigError(f"{path}: needs a session_id column, it has {list(columns)}")
+    return frozenset(pl.read_parquet(path, columns=["session_id"])["session_id"].drop_nulls().cast(pl.String))
 
 
 def json_text(value: Any) -> str:

@@ -40,6 +40,7 @@ __all__ = [
     "pack",
     "plan_steps",
     "rank_micro_batches",
+    "trajectory_files",
 ]
 
 
@@ -114,15 +115,29 @@ def _lists(df: pl.DataFrame, column: str, dtype: type) -> list[np.ndarray]:
     return np.split(flat, np.cumsum(lengths)[:-1])
 
 
+def trajectory_files(paths: Sequence[Path]) -> list[Path]:
+    """``paths`` with each folder replaced by its ``*.parquet`` files, sorted; a folder with none is an error."""
+    files = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            found = sorted(path.glob("*.parquet"))
+            if not found:
+                raise DataError(f"{path}: a folder with no *.parquet trajectory file")
+            files += found
+        else:
+            files.append(path)
+    return files
+
+
 def load(paths: Sequence[Path], *, require_reward: bool = True, require_task: bool = True) -> Rollout:
-    """Read and check trajectory files; sessions without a reward or a task id are dropped and counted.
+    """Read and check trajectory files (a folder stands for its ``*.parquet`` files: a sharded round's
+    reconstructions, one per node or per ``--shard``); sessions without a reward or a task id are dropped and counted.
 
     ``require_reward=False`` / ``require_task=False`` (SFT, which needs neither) keep those sessions instead, with
     reward NaN / task id None, and accept a table that has no reward / no task id at all.
     """
     frames = []
-    for path in paths:
-        path = Path(path)
+    for path in trajectory_files(paths):
         if not path.is_file():
             raise DataError(f"{path}: no such trajectory file")
         present = set(pl.read_parquet_schema(path))
@@ -137,6 +152,10 @@ def load(paths: Sequence[Path], *, require_reward: bool = True, require_task: bo
     df = pl.concat(frames)
     if df.is_empty():
         raise DataError(f"{', '.join(map(str, paths))}: no trajectories")
+    spanning = df.group_by("session_id").agg(pl.col("_file").unique().sort()).filter(pl.col("_file").list.len() > 1)
+    if not spanning.is_empty():  # one session reconstructed in two shards: its traces would be trained twice
+        session, files = spanning.row(0)
+        raise DataError(f"session {session!r} is in {' and '.join(files)}: a session belongs to one shard only")
     if require_reward and df["reward"].null_count() == len(df):
         raise DataError("no rewards joined: every trace has a null reward; join the graded results first (eval)")
     bad_reward = df.filter(pl.col("reward").is_not_null() & ~pl.col("reward").is_finite())

@@ -24,6 +24,7 @@ import yaml
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 
+from train import launch
 from train.data import DataError, MicroBatch, Rollout
 
 if TYPE_CHECKING:
@@ -269,9 +270,9 @@ def run(main: Callable[[C], None], cls: type[C]) -> None:
 
 
 def start(cfg: DataclassInstance, seed: int) -> Accelerator:
-    """The run's Accelerator (the scheduler steps once per optimizer step, not per process), every RNG seeded, and
-    the config printed as a table by the main process."""
-    accelerator = Accelerator(step_scheduler_with_optimizer=False)
+    """The run's Accelerator as the user launched it (``launch.accelerator``: a GPU config on a CPU box runs on
+    gloo), every RNG seeded, and the config printed as a table by the main process."""
+    accelerator = launch.accelerator()
     set_seed(seed)
     accelerator.print("\n".join(f"{k:>22} | {v}" for k, v in dataclasses.asdict(cfg).items()))
     return accelerator

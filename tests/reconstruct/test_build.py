@@ -23,7 +23,7 @@ from reconstruct import (
 )
 from reconstruct._build import parse_shard
 from reconstruct._expand import expand_captures
-from reconstruct._io import CaptureRecord, parse_record
+from reconstruct._io import CaptureRecord, parse_record, read_session_ids
 from tests.captures import v1_lines
 from tests.reconstruct.conftest import EXPECTED_CALLS, S, oracle
 
@@ -161,6 +161,20 @@ def test_sessions_table_fills_task_and_sample(folder, captures, tokenizer, tmp_p
     pl.DataFrame({"session_id": ["a", "a"], "task_id": ["x", "y"]}).write_parquet(tmp_path / "twice.parquet")
     with pytest.raises(ConfigError, match="more than once"):
         read_session_tasks(tmp_path / "twice.parquet")
+
+
+@pytest.mark.slow
+def test_skipped_sessions_are_left_out_and_the_rest_is_unchanged(folder, captures, tmp_path):
+    whole, _ = reconstruct([folder])
+    pl.DataFrame({"session_id": [S.retry], "reason": ["WorkerCrashedError"]}).write_parquet(tmp_path / "lost.parquet")
+    skip = read_session_ids(tmp_path / "lost.parquet")
+    assert skip == {S.retry}
+    df, _ = reconstruct([folder], skip=skip)
+    assert_frame_equal(df, whole.filter(pl.col("session_id") != S.retry))
+    assert S.retry in set(whole["session_id"])
+    pl.DataFrame({"id": ["a"]}).write_parquet(tmp_path / "bad.parquet")
+    with pytest.raises(ConfigError, match=r"bad\.parquet: needs a session_id column"):
+        read_session_ids(tmp_path / "bad.parquet")
 
 
 @pytest.mark.slow

@@ -80,6 +80,23 @@ def test_files_are_concatenated(tmp_path):
     assert data.load([a, b]).session_ids == ["x", "y"]
 
 
+def test_a_folder_of_shards_reads_as_its_files_and_a_session_lives_in_one_shard(tmp_path):
+    shards = tmp_path / "round"
+    write(shards / "node-b.parquet", [trace(session="y", reward=0.0)])
+    write(shards / "node-a.parquet", [trace(session="x", reward=1.0), trace(session="x", reward=1.0, chain=1)])
+    (shards / "node-a.stats.json").write_text("{}")  # reconstruct's stats beside each shard are not trajectories
+    assert data.load([shards]).session_ids == ["x", "y"]
+    assert len(data.load([shards]).prompt) == 3
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(data.DataError, match="empty: a folder with no"):
+        data.load([shards, tmp_path / "empty"])
+    write(shards / "node-c.parquet", [trace(session="x", reward=1.0, chain=2)])
+    with pytest.raises(
+        data.DataError, match=r"session .x. is in \S*node-a\.parquet and \S*node-c\.parquet: a session belongs"
+    ):
+        data.load([shards])
+
+
 def _rollout(tmp_path, rows):
     return data.load([write(tmp_path / "t.parquet", rows)])
 
