@@ -30,7 +30,7 @@ def test_by_default_it_teaches_and_trains_on_the_training_split_and_measures_the
 
 def test_a_generated_training_task_cannot_be_held_out():
     unused = taskgen.generate(0)["train"][100]["instance_id"]  # neither taught nor trained on by default
-    with pytest.raises(ValueError, match="--heldout polar-gen__.*: a generated task of the other split"):
+    with pytest.raises(ValueError, match=r"--heldout polar-gen__.*: a generated task of the other split"):
         Args(heldout=(unused,))
 
 
