@@ -109,6 +109,7 @@ def _constant(fn: str, pick: Pick, nums: list[int]) -> Bug:
 
 
 def _operator(fn: str, pick: Pick, nums: list[int]) -> Bug:
+    # Seeded by the function's name, itself drawn from the instance's seed: templates get words, not the generator.
     good, bad = random.Random(fn).choice([("*", "+"), ("-", "+"), ("+", "-"), ("*", "-")])
     return Bug(
         f"def {fn}(price, count):\n    return price {good} count\n",
@@ -232,8 +233,8 @@ class SedEdit:
 
 
 def one_line_edit(path: str, text: str, bugged: str, fixed: str) -> SedEdit:
-    """The shortest run of whole words of ``bugged`` (a line of ``text``) that occurs once in ``text`` and covers
-    the change to ``fixed``, widened until it starts and ends on a word, and what it becomes."""
+    """The words of ``bugged`` (a line of ``text``) that changed on the way to ``fixed``, widened one word at a time
+    until they start and end on a word (not bare punctuation) and occur once in ``text``, and what they become."""
     old, new = bugged.strip().split(" "), fixed.strip().split(" ")
     start = 0
     while start < min(len(old), len(new)) and old[start] == new[start]:
