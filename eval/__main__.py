@@ -23,6 +23,7 @@ VERBS = {
     "score": ("eval.score", "grade a run's patches (or a predictions file) with swebench; write rewards.parquet"),
     "join": ("eval.join", "fill task ids, samples and rewards into a trajectories Parquet"),
     "report": ("eval.report", "pass@1 / pass@k per task and harness, with a plot"),
+    "tasks": ("eval.taskgen_cli", "the generated task family: list, validate with swebench, export as JSONL"),
     # the harnesses
     "harness": ("eval.harness.presets", "install the pinned harness CLIs; run one harness through the proxy"),
     "transparent": ("eval.harness.transparent", "run a harness on its provider's own URL through a regular proxy"),

@@ -49,9 +49,10 @@ from swebench.types import TestSpec
 from tqdm import tqdm
 
 from eval.errors import EvalError
+from eval.instances import GIT_ENV
 from eval.procs import stop_tree
 from eval.runs import LOGS, REWARDS_SCHEMA, TASKS, read_sessions, write_rewards
-from eval.tasks import GIT_ENV, TaskError, checkout, load_tasks, save_tasks, validate
+from eval.tasks import TaskError, checkout, load_tasks, save_tasks, validate
 
 if TYPE_CHECKING:
     from docker import DockerClient

@@ -1,13 +1,15 @@
-"""SWE-bench-style tasks for ``python -m eval``: the shipped toy suite, local instance files, and checkouts.
+"""SWE-bench-style tasks for ``python -m eval``: the shipped toy suite, the generated family, local instance
+files, and checkouts.
 
     from eval.tasks import load_tasks, checkout
     tasks = load_tasks("toy")                                    # the shipped suite, eval/toy/<name>/
+    tasks = load_tasks("family:heldout")                         # generated (eval/taskgen.py); family:train@1
     tasks = load_tasks("runs/r1/tasks.jsonl", ["polar-toy__pager-1"])  # or .json / .parquet / a hub dataset
     repo = checkout(tasks[0], Path("/tmp/ws"))                   # git working tree at base_commit
 
 Instances have the SWE-bench 5.x shape: the ``SWEbenchInstance`` fields plus what ``make_test_spec`` needs
 (``image, log_parser, eval_type, eval_script``). Every spec goes through swebench's own
-``load_swebench_dataset``; ``"toy"`` is first written to a temporary JSONL for it.
+``load_swebench_dataset``; ``"toy"`` and ``"family..."`` are first written to a temporary JSONL for it.
 
 The toy suite: each ``eval/toy/<name>/`` holds ``repo/`` (the repository at ``base_commit``, as plain files),
 ``gold.patch`` (the reference fix), ``test.patch`` (the tests that check it) and ``task.json`` (issue text,
@@ -15,6 +17,9 @@ hints, ``FAIL_TO_PASS``/``PASS_TO_PASS``, ``base_commit``). ``checkout`` commits
 committer, dates and no user or system git config, so the commit hash is the same everywhere and equals the
 stored ``base_commit``. Its eval script runs pytest with ``"${PYTHON:-python}"``: the caller exports
 ``PYTHON`` (eval/score.py exports the interpreter it runs under), inside an image plain ``python`` is used.
+
+The generated family (repo ``polar-gen/<module>``) is made from its seed at run time: ``checkout`` writes a
+task's files again from its instance id (``taskgen.repo_files``) and commits them the same way.
 
 Other repositories are cloned from ``$POLAR_REPOS/<owner>__<name>.git`` (a bare or normal clone, e.g.
 ``git clone --mirror https://github.com/astropy/astropy $POLAR_REPOS/astropy__astropy.git``), else from
@@ -25,22 +30,30 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
-import shutil
-import subprocess
+import re
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from swebench.harness.constants import END_TEST_OUTPUT, START_TEST_OUTPUT, EvalType
+from swebench.harness.constants import EvalType
 from swebench.harness.log_parsers import PARSER_REGISTRY
 from swebench.harness.utils import load_swebench_dataset
-from unidiff.patch import PatchSet
 
-from eval.errors import EvalError
+from eval import taskgen
+from eval.instances import TaskError, eval_script, git, write_repo
 
-__all__ = ["TOY_DIR", "TOY_REPO_OWNER", "TaskError", "checkout", "load_tasks", "save_tasks", "toy_instances"]
+__all__ = [
+    "FAMILY",
+    "TOY_DIR",
+    "TOY_REPO_OWNER",
+    "TaskError",
+    "checkout",
+    "family_instances",
+    "load_tasks",
+    "save_tasks",
+    "toy_instances",
+]
 
 TOY_DIR = Path(__file__).resolve().parent / "toy"
 TOY_REPO_OWNER = "polar-toy"  # toy instances have repo "polar-toy/<name>", instance_id "polar-toy__<name>-1"
@@ -53,22 +66,7 @@ REQUIRED_FIELDS = (
 )  # fmt: skip
 TEST_LISTS = ("FAIL_TO_PASS", "PASS_TO_PASS")
 
-# A fixed identity and clock and no user/system config: the same files always give the same commit hash.
-GIT_ENV = {
-    "GIT_CONFIG_GLOBAL": os.devnull,
-    "GIT_CONFIG_NOSYSTEM": "1",
-    "GIT_AUTHOR_NAME": "polar-rl toy suite",
-    "GIT_AUTHOR_EMAIL": "toy@polar-rl.invalid",
-    "GIT_AUTHOR_DATE": "2024-01-01T00:00:00+00:00",
-    "GIT_COMMITTER_NAME": "polar-rl toy suite",
-    "GIT_COMMITTER_EMAIL": "toy@polar-rl.invalid",
-    "GIT_COMMITTER_DATE": "2024-01-01T00:00:00+00:00",
-}
-HEREDOC = "EOF_POLAR_TEST_PATCH"
-
-
-class TaskError(EvalError):
-    """A task that cannot be loaded or checked out; the message names the file or instance and the field."""
+FAMILY = "family"  # load_tasks("family[:train|:heldout][@SEED]"): the generated family (eval/taskgen.py)
 
 
 def load_tasks(
@@ -78,10 +76,22 @@ def load_tasks(
     FAIL_TO_PASS/PASS_TO_PASS as lists; only ``instance_ids`` when given (all of them must exist).
     ``check=False`` returns them as loaded, for callers that check each one alone (``grade`` scores a broken
     instance ``eval_error`` instead of refusing the whole run)."""
-    if str(spec) == "toy":
-        with tempfile.TemporaryDirectory(prefix="polar-toy-") as tmp:
-            return _load(save_tasks(toy_instances(), Path(tmp) / "toy.jsonl"), instance_ids, "toy", check)
+    if str(spec) == "toy" or str(spec).startswith(FAMILY):
+        instances = toy_instances() if str(spec) == "toy" else family_instances(str(spec))
+        with tempfile.TemporaryDirectory(prefix="polar-tasks-") as tmp:
+            return _load(save_tasks(instances, Path(tmp) / "tasks.jsonl"), instance_ids, str(spec), check)
     return _load(spec, instance_ids, str(spec), check)
+
+
+def family_instances(spec: str) -> list[dict[str, Any]]:
+    """The generated family's instances named by ``spec``: ``family`` (both splits, training first),
+    ``family:train`` or ``family:heldout``, each optionally ``@SEED`` (default 0), at the default sizes."""
+    match = re.fullmatch(rf"{FAMILY}(?::(train|heldout))?(?:@(\d+))?", spec)
+    if not match:
+        raise TaskError(f"{spec}: expected {FAMILY}, {FAMILY}:train or {FAMILY}:heldout, optionally with @SEED")
+    split, seed = match.group(1), int(match.group(2) or 0)
+    family = taskgen.generate(seed)
+    return [t for name in taskgen.SPLITS if split in (None, name) for t in family[name]]
 
 
 def _load(spec: str | Path, instance_ids: Sequence[str] | None, source: str, check: bool) -> list[dict[str, Any]]:
@@ -157,28 +167,6 @@ def toy_instance(folder: Path) -> dict[str, Any]:
     return validate(instance, str(folder / "task.json"))
 
 
-def eval_script(base_commit: str, test_patch: str) -> str:
-    """The swebench-style eval script, run from the repository root: reset the test files, apply the test
-    patch, run pytest on them between the start/end markers (``-rA``: one status line per test for
-    ``parse_log_pytest``), reset them again."""
-    files = PatchSet(test_patch)
-    existing = [f.path for f in files if not f.is_added_file]
-    added = [f.path for f in files if f.is_added_file]
-    reset = [f"git checkout {base_commit} -- {shlex.join(existing)}"] if existing else []
-    reset += [f"rm -f {shlex.join(added)}"] if added else []
-    test_files = [f.path for f in files if f.path.endswith(".py") and not f.is_removed_file]
-    return "\n".join([
-        "#!/bin/bash",
-        "set -uxo pipefail",
-        *reset,
-        f"git apply -v - <<'{HEREDOC}'\n{test_patch.rstrip(chr(10))}\n{HEREDOC}",
-        f": '{START_TEST_OUTPUT}'",
-        f'"${{PYTHON:-python}}" -m pytest -rA -p no:cacheprovider {shlex.join(test_files)}',
-        f": '{END_TEST_OUTPUT}'",
-        *reset,
-    ]) + "\n"  # fmt: skip
-
-
 def checkout(task: dict[str, Any], dest: Path) -> Path:
     """A git working tree of the task's repository at ``base_commit`` in ``dest`` (absent or empty)."""
     dest = Path(dest)
@@ -191,10 +179,12 @@ def checkout(task: dict[str, Any], dest: Path) -> Path:
     owner, _, name = repo.partition("/")
     if owner == TOY_REPO_OWNER:
         _build_toy(name, dest, iid)
+    elif owner == taskgen.OWNER:
+        write_repo(taskgen.repo_files(str(iid)), dest, f"{name}: generated task base")
     else:
         _clone(repo, dest, iid)
-        _git(["-c", "advice.detachedHead=false", "checkout", "-q", base], dest, f"instance {iid!r}: checkout {base}")
-    head = _git(["rev-parse", "HEAD"], dest, "rev-parse").strip()
+        git(["-c", "advice.detachedHead=false", "checkout", "-q", base], dest, f"instance {iid!r}: checkout {base}")
+    head = git(["rev-parse", "HEAD"], dest, "rev-parse").strip()
     if head != base:
         raise TaskError(f"instance {iid!r}: checked-out commit {head} differs from base_commit {base}")
     return dest
@@ -204,17 +194,13 @@ def _build_toy(name: str, dest: Path, iid: str | None) -> None:
     source = TOY_DIR / name / "repo"
     if not source.is_dir():
         raise TaskError(f"instance {iid!r}: no toy repository at {source}")
-    dest.mkdir(parents=True, exist_ok=True)
-    for path in sorted(source.rglob("*")):
-        relative = path.relative_to(source)
+    files = {
+        str(path.relative_to(source)): path.read_bytes()
+        for path in sorted(source.rglob("*"))
         # Byte-compiled leftovers of someone running the toy tests in place are not part of the repository.
-        if path.is_dir() or "__pycache__" in relative.parts or ".pytest_cache" in relative.parts:
-            continue
-        (dest / relative).parent.mkdir(parents=True, exist_ok=True)
-        (dest / relative).write_bytes(path.read_bytes())  # fresh files: mode 100644 in git whatever the source's
-    _git(["init", "-q", "-b", "main"], dest, "git init")
-    _git(["add", "-A"], dest, "git add")
-    _git(["commit", "-q", "--no-gpg-sign", "--no-verify", "-m", f"{name}: toy task base"], dest, "git commit")
+        if path.is_file() and not {"__pycache__", ".pytest_cache"} & set(path.relative_to(source).parts)
+    }
+    write_repo(files, dest, f"{name}: toy task base")
 
 
 def _clone(repo: str, dest: Path, iid: str | None) -> None:
@@ -222,18 +208,7 @@ def _clone(repo: str, dest: Path, iid: str | None) -> None:
     local = Path(mirrors) / f"{repo.replace('/', '__')}.git" if mirrors else None
     source = str(local) if local and local.exists() else f"https://github.com/{repo}"
     try:
-        _git(["clone", "-q", "--no-checkout", source, str(dest)], Path.cwd(), f"clone {source}")
+        git(["clone", "-q", "--no-checkout", source, str(dest)], Path.cwd(), f"clone {source}")
     except TaskError as e:
         where = f"$POLAR_REPOS/{repo.replace('/', '__')}.git" + ("" if mirrors else " (POLAR_REPOS is not set)")
         raise TaskError(f"instance {iid!r}: cannot get repository {repo}: no mirror at {where}, and {e}") from e
-
-
-def _git(args: list[str], cwd: Path, what: str) -> str:
-    if shutil.which("git") is None:
-        raise TaskError("git is not on PATH; tasks are checked out with git")
-    done = subprocess.run(
-        ["git", *args], cwd=cwd, env={**os.environ, **GIT_ENV}, capture_output=True, text=True, check=False
-    )
-    if done.returncode != 0:
-        raise TaskError(f"{what} failed in {cwd} (git exit {done.returncode}): {done.stderr.strip()[-500:]}")
-    return done.stdout

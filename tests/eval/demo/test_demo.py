@@ -113,6 +113,7 @@ def test_demo_writes_the_run_folder_and_its_summary_agrees_with_the_files(demo_r
         "logs/server.log",
         "logs/teacher-server.log",
         "teacher-script.json",
+        "tasks.jsonl",
         "teacher/trajectories.parquet",
         "adapters/sft/adapter_model.safetensors",
         "adapters/sft/metrics.jsonl",
@@ -120,6 +121,7 @@ def test_demo_writes_the_run_folder_and_its_summary_agrees_with_the_files(demo_r
         "adapters/grpo1/metrics.jsonl",
         *(f"{s}/trajectories.parquet" for s in STAGES),
         *(f"{s}-heldout/rewards.parquet" for s in STAGES),
+        *(f"{s}-heldout/trajectories.parquet" for s in STAGES),
         *(f"logs/mitmdump-{s}.log" for s in STAGES),
     ):
         assert (run / path).is_file(), path
@@ -144,6 +146,9 @@ def test_demo_writes_the_run_folder_and_its_summary_agrees_with_the_files(demo_r
         resolved = rewards.filter(pl.col("resolved")).sort("sample_id")["sample_id"].to_list()
         assert resolved == [0, 2] and numbers["pass_rate"] == 0.5 and numbers["ci95"][0] < 0.5 < numbers["ci95"][1]
         assert numbers["heldout"]["graded"] == HELDOUT_SAMPLES and numbers["heldout"]["resolved"] == 0
+        # The held-out sessions are reconstructed too: their stats stand apart from the trained tasks'.
+        assert numbers["heldout"]["calls_captured"] == numbers["heldout"]["traces"] == HELDOUT_SAMPLES  # GIVE_UP
+        assert 0 < numbers["heldout"]["prompt_tokens_mean"] <= numbers["heldout"]["prompt_tokens_max"]
         assert dict(zip(traces["session_id"], traces["reward"], strict=True)) == dict(
             zip(rewards["session_id"], rewards["reward"], strict=True)
         )
@@ -151,6 +156,10 @@ def test_demo_writes_the_run_folder_and_its_summary_agrees_with_the_files(demo_r
     grpo = summary["train"]["grpo1"]
     assert grpo["steps"] == 1 and grpo["groups_with_signal"] == grpo["groups"] == 1
     gain = next(t for t in summary["tests"] if t["to"] == "grpo1" and t["from"] == "sft")
+    assert gain["split"] == "trained" and gain["ci95_delta"][0] <= 0 <= gain["ci95_delta"][1]
+    heldout_tests = {(t["from"], t["to"]) for t in summary["tests"] if t["split"] == "held-out"}
+    assert heldout_tests == {("base", "sft"), ("sft", "grpo1"), ("base", "grpo1")}
+    assert "On held-out tasks, GRPO's own gain" in summary["note"]
     assert gain["p_value"] == pytest.approx(1.0) and gain["verdict"].startswith(
         "no significant change"
     )  # replayed: same counts
