@@ -71,7 +71,8 @@ class ServiceClient:
         req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=60) as response:
-                return json.loads(response.read())
+                answer: dict[str, Any] = json.loads(response.read())
+                return answer
         except urllib.error.HTTPError as e:
             raise ServiceError(f"{method} {path}: HTTP {e.code}: {e.read().decode(errors='replace')}") from e
 
@@ -181,7 +182,9 @@ def output_items(trace: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
 def contiguity_errors(output: list[dict[str, Any]]) -> list[str]:
     """Why NeMo RL would reject these items: a partial token triple, a log-prob count that is not the id count,
     NaN log-probs, a prompt that does not start with every earlier prompt and generation, no trainable item."""
-    errors, seen, trainable = [], [], 0
+    errors: list[str] = []
+    seen: list[int] = []
+    trainable = 0
     for i, item in enumerate(output):
         present = [item.get(k) is not None for k in TRIPLE]
         if any(present) and not all(present):
