@@ -88,11 +88,11 @@ SMALL = Sizes(trace=64, prompt=32, traces=8, micro_batch=256, long=(256, 1024))
 
 
 def build_policy(shape: dict[str, Any], device: torch.device, micro_batch: int) -> tuple[Any, Any]:
-    """(grpo.Policy over a random Qwen3 of ``shape`` in bf16 with grpo.py's LoRA, its grpo.Config)."""
+    """(policy.Policy over a random Qwen3 of ``shape`` in bf16 with grpo.py's LoRA, its grpo.Config)."""
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from train import grpo
+    from train import grpo, policy
 
     torch.manual_seed(0)
     config = Qwen3Config(**shape, bos_token_id=None, eos_token_id=2, pad_token_id=0, use_cache=False)
@@ -114,7 +114,7 @@ def build_policy(shape: dict[str, Any], device: torch.device, micro_batch: int) 
         lora_r=16,
         attn_implementation="sdpa",
     )
-    return grpo.Policy(peft_model, cfg), cfg
+    return policy.Policy(peft_model, cfg), cfg
 
 
 def make_traces(sizes: Sizes, vocab: int, shared: bool) -> list[Any]:
