@@ -52,7 +52,8 @@ class Args:
 # rendered in every assistant turn (Qwen3 drops it from earlier turns), so each request's prompt is a prefix of
 # the next one; and there is no default system prompt. The newlines put around <think> and content are
 # stripped on the way in, matching eval.upstream.toolparse, which strips them on the way out, so a parsed message
-# renders back to the text it was parsed from.
+# renders back to the text it was parsed from. The template is saved in the tiny tokenizer.json, whose hash the
+# NeMo Gym example rollouts pin: an edit, even to a comment, needs them made again (make_examples.py).
 CHAT_TEMPLATE = r"""
 {%- macro render_content(content) -%}
     {%- if content is string -%}
@@ -97,7 +98,7 @@ CHAT_TEMPLATE = r"""
             {%- set call = tool_call.function if tool_call.function is defined else tool_call -%}
             {%- if content or not loop.first -%}{{- '\n' -}}{%- endif -%}
             {{- '<tool_call>\n{"name": "' + call.name + '", "arguments": ' -}}
-            {#- A string is taken as JSON text already; `eval serve` parses it into an object first, as vLLM does. -#}
+            {#- A string is taken as JSON text already; eval.serve parses it into an object first, as vLLM does. -#}
             {{- call.arguments if call.arguments is string else (call.arguments | tojson) -}}
             {{- '}\n</tool_call>' -}}
         {%- endfor -%}
