@@ -4,27 +4,16 @@ reconstruction stats of each split show Pi's calls and prompt tokens."""
 
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
 
-from eval.harness.install import NpmMissing, install
 from tests.eval.demo.test_demo import DEMO_TIMEOUT, HELDOUT_SAMPLES, ROOT, SAMPLES, STAGES, demo_command
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def pi_installed() -> Path:
-    """The pinned harness CLIs (eval/harness/install.py), installed on first use as tests/eval/harness does."""
-    try:
-        return install()
-    except NpmMissing as e:
-        pytest.skip(f"Pi's CLI needs npm: {e}")
-
-
 @pytest.mark.timeout(DEMO_TIMEOUT)
-def test_the_loop_runs_through_pi_and_its_stats_show_pis_prompts(pi_installed, tiny_model_dir, tmp_path):
+def test_the_loop_runs_through_pi_and_its_stats_show_pis_prompts(harness_bin, tiny_model_dir, tmp_path):
     cmd = [*demo_command(tiny_model_dir, tmp_path), "--harness", "pi"]
     done = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]

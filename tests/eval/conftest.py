@@ -1,4 +1,5 @@
-"""The harness CLIs pinned in eval/harness/package.json, installed on first use (eval.harness.install)."""
+"""The harness CLIs pinned in eval/harness/package.json, installed on first use (eval.harness.install): the
+harness tests and the demo through Pi share them."""
 
 from pathlib import Path
 
