@@ -2,8 +2,9 @@
 It trains on the generated family's training split (eval/taskgen.py) and is measured on its held-out split.
 
     python -m eval demo [--harness mini|pi] [--seed 0] [--rounds 3] [--teach-count 64] [--grpo-task-count 16]
-                        [--heldout-sessions 64] [--samples 4] [--tasks ID ...] [--heldout ID ...]
+                        [--heldout-sessions 64] [--samples 4] [--tasks ID ...] [--heldout ID ...] [--reuse RUN]
     make demo [HARNESS=pi] [SEED=1] [ROUNDS=3] [TEACH=64] [GRPO_TASKS=16] [HELDOUT=64] [SAMPLES=4] [THREADS=2]
+              [REUSE=runs/demo/<time>]
 
 Phases, each its own process joined to the next by files in RUN = runs/demo/<UTC time>/ (RUN/tasks.jsonl: every
 task the run uses):
@@ -40,6 +41,7 @@ import datetime
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -143,6 +145,10 @@ class Args:
     script: Path | None = None
     """Replay these assistant messages instead of sampling (eval/upstream/script.py's format): how tests run the
     loop."""
+    reuse: Path | None = None
+    """An earlier run folder whose teacher sessions and base stage this run copies instead of running them again:
+    its model, harness, tasks, sampling and seeds must be this run's (checked against its config.json). For
+    comparing SFT or GRPO settings on the same teacher data and the same base measurement."""
     out: Path = Path("runs/demo")
     """Parent of the run folder <UTC time>/."""
     seed: int = 0
@@ -199,6 +205,8 @@ class Args:
                 raise ValueError(f"{flag} {wrong[0]}: a generated task of the other split (this one takes {split})")
         for task in self.teach:
             teacher_messages(task)  # refuses a task without a worked session now, not after the model build
+        if self.reuse is not None and not any((self.reuse / name).is_file() for name in (CONFIG, "summary.json")):
+            raise ValueError(f"--reuse {self.reuse}: no {CONFIG} there (a run folder of python -m eval demo has one)")
         if self.upstream == "vllm" and self.script is not None:
             raise ValueError("--script replays through the reference server: it cannot be used with --upstream vllm")
         if self.upstream == "vllm" and not self.vllm_python.is_file():
@@ -207,6 +215,37 @@ class Args:
             raise ValueError(
                 f"--harness {self.harness} cannot cap output tokens: add --max-tokens None (MAX_TOKENS=None)"
             )
+
+
+CONFIG = "config.json"  # a run's model and flags, written before its first phase: what --reuse checks
+REUSED = ("teacher", "base", "base-heldout")  # what --reuse copies: these run folders and their captures
+# The flags the teacher sessions and the base stage depend on: a run reusing them must have the same values.
+REUSE_KEYS = (
+    "harness", "teach", "tasks", "heldout", "family_seed", "samples", "heldout_samples", "max_tokens", "max_turns",
+    "session_timeout", "concurrency", "upstream", "script", "seed",
+)  # fmt: skip
+
+
+def reuse_phases(source: Path, run: Path, config: Args, model: Path) -> list[Path]:
+    """Copy ``source``'s teacher sessions and base stage (run folders and captures) into ``run``; refuses a source
+    whose model or flags (REUSE_KEYS) differ from this run's, or which did not finish those phases."""
+    # summary.json holds the same two members (a run finished before config.json was written has only it).
+    saved = json.loads(next(source / n for n in (CONFIG, "summary.json") if (source / n).is_file()).read_text())
+    mine = json.loads(json.dumps(_plain(config)))
+    differ = ["model"] if saved.get("model") != str(model) else []
+    differ += [k for k in REUSE_KEYS if saved.get("config", {}).get(k) != mine[k]]
+    if differ:
+        raise EvalError(
+            f"--reuse {source}: not the same {', '.join(differ)} as this run (its {CONFIG}), so its teacher "
+            "sessions and base stage are not what this run would make"
+        )
+    missing = [f for f in REUSED if not (source / f / "trajectories.parquet").is_file()]
+    if missing:
+        raise EvalError(f"--reuse {source}: {', '.join(missing)} not finished there (no trajectories.parquet)")
+    for folder in REUSED:
+        shutil.copytree(source / folder, run / folder)
+        shutil.copytree(source / "captures" / folder, run / "captures" / folder)
+    return [run / f for f in REUSED]
 
 
 def load_instances(instance_ids: tuple[str, ...], family_seed: int) -> list[dict[str, Any]]:
@@ -440,7 +479,7 @@ def demo(config: Args) -> int:
     (run / "logs").mkdir(parents=True)
     # Every task of the run, in one SWE-bench JSONL that each rollout reads (toy and generated tasks alike).
     save_tasks(load_instances((*config.teach, *config.tasks, *config.heldout), config.family_seed), run / TASKS)
-    loop = Loop(run, total=6 + 2 * config.rounds)
+    loop = Loop(run, total=6 + 2 * config.rounds - (config.reuse is not None))
     console.print(
         f"run folder {shown(run)}: {config.harness}; SFT on {len(config.teach)} teacher sessions, then "
         f"{config.rounds} GRPO round(s) on {len(config.tasks)} tasks x {config.samples} samples; "
@@ -451,14 +490,20 @@ def demo(config: Args) -> int:
     t0 = loop.header("model")
     model = (config.model or build_smollm2(ROOT / "models" / "smollm2")).resolve()
     loop.done("model", t0, [model], [f"python -m eval models smollm2 {shown(model)}"] if not config.model else [])
+    (run / CONFIG).write_text(json.dumps({"model": str(model), "config": _plain(config)}, indent=1))
     stages = Stages(loop, config, model)
     adapters = run / "adapters"
 
-    # Teacher sessions: worked solutions replayed through the harness and the proxy, captured like any rollout.
-    teacher_script = run / "teacher-script.json"
-    teacher_script.write_text(json.dumps({f"*-{task}-*": teacher_messages(task) for task in config.teach}, indent=1))
-    with ReferenceServer(model, log=run / "logs" / "teacher-server.log", script=teacher_script) as teacher:
-        stages.run(teacher, "teacher", model.name, {"teacher": (config.teach, 1)}, "teacher sessions (scripted)")
+    if config.reuse is not None:
+        t0 = loop.header(f"teacher sessions and base stage: copied from {shown(config.reuse)}")
+        wrote = reuse_phases(config.reuse.resolve(), run, config, model)
+        loop.done("reused", t0, wrote, [f"copied from {shown(config.reuse.resolve())}"])
+    else:
+        # Teacher sessions: worked solutions replayed through the harness and the proxy, captured like any rollout.
+        teacher_script = run / "teacher-script.json"
+        teacher_script.write_text(json.dumps({f"*-{t}-*": teacher_messages(t) for t in config.teach}, indent=1))
+        with ReferenceServer(model, log=run / "logs" / "teacher-server.log", script=teacher_script) as teacher:
+            stages.run(teacher, "teacher", model.name, {"teacher": (config.teach, 1)}, "teacher sessions (scripted)")
 
     sft = accelerate(
         "sft.py",
@@ -506,6 +551,9 @@ def demo(config: Args) -> int:
         console.print(f"[dim]{server.url} serving {shown(model)}, log {shown(server.log)}[/]", highlight=False)
         previous = None
         for k, stage in enumerate(demo_report.stage_names(config.rounds)):
+            if stage == "base" and config.reuse is not None:
+                previous = stage
+                continue
             if stage != "base":
                 if stage != "sft":  # GRPO on the previous stage's rollouts, continuing its adapter
                     assert previous is not None  # base, the first stage, trains nothing

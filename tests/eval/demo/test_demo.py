@@ -19,8 +19,11 @@ import numpy as np
 import polars as pl
 import psutil
 import pytest
+import tyro
 
+from eval.demo import loop
 from eval.demo import report as demo_report
+from eval.errors import EvalError
 from eval.runs import read_rewards, read_sessions
 from reconstruct import schema
 from tests.captures import v1_lines
@@ -109,6 +112,7 @@ def test_demo_writes_the_run_folder_and_its_summary_agrees_with_the_files(demo_r
     run = demo_run
     for path in (
         "summary.json",
+        "config.json",
         "report.html",
         "logs/server.log",
         "logs/teacher-server.log",
@@ -202,6 +206,32 @@ def test_the_loop_learns_the_rewarded_reply(demo_run):
     assert rewarded["grpo1"] - unrewarded["grpo1"] > rewarded["sft"] - unrewarded["sft"] + 0.2  # the preference
     # SFT taught the teacher's tool-call form: the base gave it less probability than the SFT adapter does.
     assert rewarded["sft"] > rewarded["base"] + 0.02
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(DEMO_TIMEOUT)
+def test_reuse_copies_the_teacher_and_base_stage_only_from_a_run_with_the_same_inputs(demo_run, tmp_path):
+    saved = json.loads((demo_run / "config.json").read_text())
+    model = Path(saved["model"])
+    flags = demo_command(model, tmp_path)[4:]
+    flags[flags.index("--script") + 1] = saved["config"]["script"]  # the script the run replayed, not a copy
+    same = tyro.cli(loop.Args, args=[*flags, "--reuse", str(demo_run), "--rounds", "3", "--lr", "1e-4"])
+    run = tmp_path / "run"
+    wrote = loop.reuse_phases(demo_run, run, same, model)
+    assert wrote == [run / f for f in loop.REUSED]
+    for folder in (*loop.REUSED, *(f"captures/{f}" for f in loop.REUSED)):
+        theirs = sorted(p.relative_to(demo_run / folder) for p in (demo_run / folder).rglob("*") if p.is_file())
+        assert theirs, folder
+        assert sorted(p.relative_to(run / folder) for p in (run / folder).rglob("*") if p.is_file()) == theirs
+        assert all((run / folder / f).read_bytes() == (demo_run / folder / f).read_bytes() for f in theirs)
+    assert not (run / "sft").exists()  # the SFT stage depends on SFT's settings: never copied
+
+    other_seed = tyro.cli(loop.Args, args=[*flags, "--seed", "1"])
+    with pytest.raises(EvalError, match=r"not the same seed as"):
+        loop.reuse_phases(demo_run, tmp_path / "seed1", other_seed, model)
+    with pytest.raises(EvalError, match=r"not the same model as"):
+        loop.reuse_phases(demo_run, tmp_path / "other-model", same, tmp_path)
+    assert not (tmp_path / "seed1").exists() and not (tmp_path / "other-model").exists()
 
 
 def descendants(pid: int) -> list[psutil.Process]:
