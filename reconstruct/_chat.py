@@ -21,6 +21,7 @@ The prompt id array is lifted out of the text before parsing (``_tokens.cut_arra
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -235,41 +236,27 @@ class ChatAssembler:
             rest.append((i, raw[done : done + size]))
             after.append(raw[done : done + size])
             done += size
-        # The literals hold no marker the fast path refuses, and every value it reads sits in a slot of its own.
-        joined = "\0".join(literals)
+        reading = _template_reading(literals)
+        if reading is None:
+            return None
+        slots, key_slots, empty_per_event = reading
         if (
-            any(m in joined or m in head or any(m in t for t in after) for m in _ODD)
-            or "\nevent:" in "\n" + literals[0]
+            any(m in head or any(m in t for t in after) for m in _ODD)
             or any(t.startswith("event:") for _, t in rest)
-            or '"usage"' in joined
-            or _LIFTED[:-5] in joined
-            or _OTHER_INDEX.search(joined)
             or _OTHER_INDEX.search(head)
             or any(_OTHER_INDEX.search(t) for t in after)
-            or any(_INDEX_SLOT.search(lit) for lit in literals[:-1])
-            or any(
-                _KEY_SLOT.match(lit) and not set(stream.columns[j].split("\n")) <= _DELTA_KEYS
-                for j, lit in enumerate(literals[1:])
-            )
+            or any(not set(stream.columns[j].split("\n")) <= _DELTA_KEYS for j in key_slots)
         ):
             return None
         # Each templated event, and each raw piece before one, ends an event: no pattern reads across into the next
         # (only a key's colon and blanks could, and "event:" after a line break).
-        lefts = [literals[-1], first] + [t for i, t in rest if i < n]
+        lefts = [first] + [t for i, t in rest if i < n]
         if any(not t.endswith("\n\n") or t.rstrip().endswith(":") for t in lefts):
             return None
-        empty = n * len(_EMPTY_DELTA.findall(joined)) + sum(len(_EMPTY_DELTA.findall(t)) for t in after)
+        empty = n * empty_per_event + sum(len(_EMPTY_DELTA.findall(t)) for t in after)
         if empty > 1 or not rest or rest[-1][0] != n:
             return None
-        columns = {}
-        for key in (_IDS_KEY, _LOGPROB_KEY, _FINISH_KEY):
-            count = joined.count(key)
-            slot = [j for j, lit in enumerate(literals[:-1]) if lit.rstrip().endswith(key + ":")]
-            if count == 1 and len(slot) == 1:
-                literal = literals[slot[0]]
-                columns[key] = (literal[literal.rindex(key) :], stream.columns[slot[0]])
-            elif count or key != _FINISH_KEY:
-                return None
+        columns = {key: (prefix, stream.columns[j]) for key, (prefix, j) in slots.items()}
         last_text = rest[-1][1]
         end = last_text.rfind('"usage"')
         if end < 0:
@@ -430,6 +417,37 @@ def _full_choice(raw: dict[str, Any]) -> _Choice:
     }
     choice.finish = raw.get("finish_reason")
     return choice
+
+
+@functools.lru_cache(maxsize=256)
+def _template_reading(literals: tuple[str, ...]) -> tuple[dict[str, tuple[str, int]], list[int], int] | None:
+    """What the fast path reads from a stream template's literal pieces (a session's streams share one): for each
+    key it reads, the text before its values and its column; the columns of slots in a key's place (a delta's key,
+    whose values are checked); the empty deltas in each event. None when the literals alone rule it out: a marker
+    it refuses, a value it reads that is not a slot of its own, an event that does not end in a blank line."""
+    joined = "\0".join(literals)
+    if (
+        any(m in joined for m in _ODD)
+        or "\nevent:" in "\n" + literals[0]
+        or '"usage"' in joined
+        or _LIFTED[:-5] in joined
+        or _OTHER_INDEX.search(joined)
+        or any(_INDEX_SLOT.search(lit) for lit in literals[:-1])
+        or not literals[-1].endswith("\n\n")
+        or literals[-1].rstrip().endswith(":")
+    ):
+        return None
+    slots = {}
+    for key in (_IDS_KEY, _LOGPROB_KEY, _FINISH_KEY):
+        count = joined.count(key)
+        found = [j for j, lit in enumerate(literals[:-1]) if lit.rstrip().endswith(key + ":")]
+        if count == 1 and len(found) == 1:
+            literal = literals[found[0]]
+            slots[key] = (literal[literal.rindex(key) :], found[0])
+        elif count or key != _FINISH_KEY:
+            return None
+    key_slots = [j for j, lit in enumerate(literals[1:]) if _KEY_SLOT.match(lit)]
+    return slots, key_slots, len(_EMPTY_DELTA.findall(joined))
 
 
 class _Misfit(Exception):
