@@ -368,11 +368,11 @@ def expand_lines(lines: Iterable[bytes]) -> Iterator[bytes]:
 
 # ---------------------------------------------------------------- a streamed answer, column-wise
 
-# JSON values a template slot takes, strictly as JSON writes them (a value that is not becomes part of a raw event):
-# strings without raw control characters, numbers, flat arrays of numbers, and the three literals. None holds a
-# line break, so a column's values are joined with "\n" and split back exactly.
-_STR = r'"[^"\\\x00-\x1f]*(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f]*)*"'
-_NUM = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
+# What a template slot takes, loosely as JSON writes it (a looser pattern is a faster split, and a value that fits
+# no slot leaves its event raw): a string (no line break, no quote but escaped ones), a number, a flat array of
+# numbers, a literal. None holds a line break, so a column's values are joined with "\n" and split back exactly.
+_STR = r'"[^"\\\n]*(?:\\[^\n][^"\\\n]*)*"'
+_NUM = r"-?[0-9][0-9.eE+-]*"
 _ARRAY = rf"\[(?:{_NUM}(?:,{_NUM})*)?\]"
 _SLOT = rf"({_STR}|{_NUM}|{_ARRAY}|null|true|false)"  # a slot whose value was null, true or false in the sample
 # A slot whose value was a string, number or array in the sample takes only that (fewer tries: the split is the
@@ -386,6 +386,8 @@ _KEY_SLOT = '("(?:content|reasoning|reasoning_content)")'
 _TOKEN = re.compile(rf"[ \t]*(?:({_STR})([ \t]*:)?|(\[(?:{_NUM}(?:,{_NUM})*)?\]|{_NUM}|null|true|false)|[\[\]{{}},])")
 # Keys whose values stay columns even when every event has the same one (the reader takes them from columns).
 KEEP_COLUMNS = ('"token_ids":', '"logprob":', '"finish_reason":')
+# Members whose value stays the same through a stream: before an event's first slot, matched but not captured.
+_CONSTANT_KEYS = frozenset(("id", "object", "created", "model", "system_fingerprint", "index", "type", "role"))
 MIN_EVENTS = 8  # fewer events than this fit a template: the stream is kept as it is
 _TEMPLATES: dict[tuple[str, ...], re.Pattern[str]] = {}  # compiled per template (a session's calls share one)
 
@@ -459,21 +461,34 @@ def split_stream(text: str) -> tuple[str, Stream] | None:
     the template of the event in its middle (a short answer, a stream of another shape, not an event stream)."""
     if not text.startswith(("data:", "event:", ":")) or "\r" in text:
         return None
+    # The first event stays raw: it is not split (a vLLM stream's holds the prompt ids, often most of its text).
+    first = text.find("\n\n") + 2
+    if first < 2:
+        return None
+    rest = text[first:]
     for share in (2, 4, 3):  # the template of the event in the middle; if too few fit, of another
-        start = text.find("\n\n", len(text) // share)
-        end = text.find("\n\n", start + 2)
+        start = rest.find("\n\n", len(rest) // share)
+        end = rest.find("\n\n", start + 2)
         if start < 0 or end < 0:
             return None
-        pattern, literals = _template(text[start + 2 : end + 2])
+        pattern, literals, fixed = _template(rest[start + 2 : end + 2])
         if pattern is None:
             continue
-        parts = pattern.split(text)
+        parts = pattern.split(rest)
         k = len(literals) - 1
         n = (len(parts) - 1) // (k + 1)
+        # Every event that fits starts with the sample's very text up to its first slot (else: no wildcards).
+        if fixed is not None and rest.count(fixed) != n + "".join(parts[:: k + 1]).count(fixed):
+            pattern, literals, fixed = _template(rest[start + 2 : end + 2], wildcards=False)
+            assert pattern is not None
+            parts = pattern.split(rest)
+            k = len(literals) - 1
+            n = (len(parts) - 1) // (k + 1)
         if n >= MIN_EVENTS:
             break
     else:
         return None
+    parts[0] = text[:first] + parts[0]
     raws = parts[:: k + 1]
     # An event that fits must start one: at the text's start or after a blank line (else its text is another's).
     if any(not r.endswith("\n\n") for r in filter(None, raws[:-1])):
@@ -491,17 +506,21 @@ def split_stream(text: str) -> tuple[str, Stream] | None:
     return "".join(raws), Stream(tuple(kept_literals), tuple(kept), n, gaps)
 
 
-def _template(event: str) -> tuple[re.Pattern[str] | None, tuple[str, ...]]:
+def _template(event: str, *, wildcards: bool = True) -> tuple[re.Pattern[str] | None, tuple[str, ...], str | None]:
     """The pattern of events shaped like ``event`` (the value of every member that is a scalar or a flat array of
-    numbers is a slot, and the key of a delta's member too), and the literal pieces around its slots. The event's
-    JSON is read token by token from its first ``{``."""
+    numbers is a slot, and the key of a delta's member too), the literal pieces around its slots as ``event`` has
+    them, and (with ``wildcards``) the event's text before its first slot, where the values of members that stay
+    the same through a stream (:data:`_CONSTANT_KEYS`: its id, model, ...) are matched but not captured: fewer
+    slots, a faster split, and a pattern that serves every stream of that shape (the caller checks that every event
+    that fits has that very text). The event's JSON is read token by token from its first ``{``."""
     pos = event.find("{")
     if pos < 0:
-        return None, ()
+        return None, (), None
     pieces: list[str] = []
     slots: list[str] = []
+    wild: list[tuple[int, int, str]] = []  # (start, end, pattern) of each value matched but not captured
     at = 0
-    key = False  # the last token was a member's key and its colon
+    key: str | None = None  # the member's key when the last token was a key and its colon
     while (token := _TOKEN.match(event, pos)) is not None:
         string, colon, scalar = token.group(1, 2, 3)
         if string is not None and colon:
@@ -509,23 +528,33 @@ def _template(event: str) -> tuple[re.Pattern[str] | None, tuple[str, ...]]:
                 pieces.append(event[at : token.start(1)])
                 slots.append(_KEY_SLOT)
                 at = token.end(1)
-            key = True
-        elif key and (string is not None or scalar is not None):
+            key = string[1:-1]
+        elif key is not None and (string is not None or scalar is not None):
             begin = token.start(1) if string is not None else token.start(3)
-            pieces.append(event[at:begin])
-            slots.append(_TYPED.get(event[begin], _SLOT))
-            at, key = token.end(), False
+            slot = _TYPED.get(event[begin], _SLOT)
+            if wildcards and not slots and key in _CONSTANT_KEYS:
+                wild.append((begin, token.end(), "(?:" + slot[1:]))
+            else:
+                pieces.append(event[at:begin])
+                slots.append(slot)
+                at = token.end()
+            key = None
         else:
-            key = False
+            key = None
         pos = token.end()
     pieces.append(event[at:])
     if not slots:
-        return None, ()
-    shape = tuple(pieces)
+        return None, (), None
+    first, done = [], 0  # the first piece's pattern: its literal text and its wildcards
+    for begin, end, slot in wild:
+        first += (re.escape(event[done:begin]), slot)
+        done = end
+    first.append(re.escape(pieces[0][done:]))
+    shape = ("".join(first), *pieces[1:])
     pattern = _TEMPLATES.get(shape)
     if pattern is None:
         if len(_TEMPLATES) > 256:
             _TEMPLATES.clear()
-        source = "".join(re.escape(p) + s for p, s in zip(pieces, [*slots, ""], strict=True))
+        source = shape[0] + "".join(s + re.escape(p) for s, p in zip(slots, pieces[1:], strict=True))
         pattern = _TEMPLATES[shape] = re.compile(source)
-    return pattern, shape
+    return pattern, tuple(pieces), pieces[0] if wild else None
