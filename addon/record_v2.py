@@ -545,7 +545,8 @@ def _template(event: str, *, wildcards: bool = True) -> tuple[re.Pattern[str] | 
     pieces.append(event[at:])
     if not slots:
         return None, (), None
-    first, done = [], 0  # the first piece's pattern: its literal text and its wildcards
+    first: list[str] = []  # the first piece's pattern: its literal text and its wildcards
+    done = 0
     for begin, end, slot in wild:
         first += (re.escape(event[done:begin]), slot)
         done = end

@@ -444,6 +444,26 @@ def long_session_bodies(k: int, calls: int, chunks: int) -> list[bytes]:
     return out
 
 
+def _sample_rss(pid: int | None, peak: list[int], stop_sampling: threading.Event) -> None:
+    while not stop_sampling.wait(0.02):
+        peak[0] = max(peak[0], rss_kb(pid) or 0)
+
+
+def _memory_session(url: str, k: int, bodies: list[bytes], chunks: int) -> int:
+    """Session ``k``'s calls in turn on one keep-alive connection; how many failed."""
+    failed = 0
+    headers = {**HEADERS, "authorization": f"Bearer bench-memory-{k:02d}"}
+    with httpx.Client(base_url=url, timeout=60.0) as c:
+        for body in bodies:
+            try:
+                with c.stream("POST", URL_PATH, content=body, headers=headers) as r:
+                    events = sum(raw.count(b"data: ") for raw in r.iter_raw())
+                failed += r.status_code != 200 or events != chunks + 1
+            except httpx.HTTPError:
+                failed += 1
+    return failed
+
+
 def measure_memory(
     cfg: Config, plan: Plan, tmp: Path, up_port: int, addon_args: list[str], console: Console
 ) -> dict[str, dict[str, float | int | None]]:
@@ -462,29 +482,12 @@ def measure_memory(
                 c.post(URL_PATH, content=bodies[0][0], headers={**HEADERS, "authorization": "Bearer warm"}).read()
             time.sleep(0.5)
             idle, peak, stop_sampling = rss_kb(pid), [0], threading.Event()
-
-            def sample() -> None:
-                while not stop_sampling.wait(0.02):
-                    peak[0] = max(peak[0], rss_kb(pid) or 0)
-
-            def session(k: int) -> int:
-                failed = 0
-                headers = {**HEADERS, "authorization": f"Bearer bench-memory-{k:02d}"}
-                with httpx.Client(base_url=url, timeout=60.0) as c:
-                    for body in bodies[k]:
-                        try:
-                            with c.stream("POST", URL_PATH, content=body, headers=headers) as r:
-                                events = sum(raw.count(b"data: ") for raw in r.iter_raw())
-                            failed += r.status_code != 200 or events != cfg.memory_chunks + 1
-                        except httpx.HTTPError:
-                            failed += 1
-                return failed
-
-            sampler = threading.Thread(target=sample, daemon=True)
+            sampler = threading.Thread(target=_sample_rss, args=(pid, peak, stop_sampling), daemon=True)
             sampler.start()
             cpu0, t0 = cpu_seconds(pid), time.perf_counter()
             with ThreadPoolExecutor(cfg.memory_sessions) as ex:
-                errors = sum(ex.map(session, range(cfg.memory_sessions)))
+                n = len(bodies)
+                errors = sum(ex.map(_memory_session, [url] * n, range(n), bodies, [cfg.memory_chunks] * n))
             wall, cpu1 = time.perf_counter() - t0, cpu_seconds(pid)
             stop_sampling.set()
             sampler.join()
