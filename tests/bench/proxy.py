@@ -715,7 +715,8 @@ def _notes(cfg: Config, plan: Plan, elapsed: float) -> list[str]:
     return [
         (
             f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {'quick' if cfg.quick else 'full'} run ({elapsed:.0f} s), "
-            f"{platform.machine()} with {cpus} CPUs shared by client, upstream and proxies; Python "
+            f"{platform.machine()} with {cpus} CPUs shared by client, upstream and proxies (load average at the end "
+            f"{os.getloadavg()[0]:.1f}); Python "
             f"{platform.python_version()}, mitmproxy {version('mitmproxy')}, httpx {version('httpx')}."
         ),
         (
