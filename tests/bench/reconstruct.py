@@ -50,13 +50,14 @@ ROTATE = 256 << 20  # the addon's default polar_rotate_mb
 TARGET = 1.0  # reconstruction / baseline, one process, wall (issue 17)
 SIZE_TARGET = 0.1  # capture bytes per session, v2 / v1 (issue 27)
 CLOSE_THE_GAP = (
-    "most of what is left is the streamed answers (one SSE chunk per sampled token: their ids and log-probs are "
-    "read by regular-expression scans over the stream text, which cost more than orjson parsing those bytes), "
-    "then the index pass that reads every byte once before the sessions are read again; a v2 record is expanded "
-    "back to its v1 line (decompressed, its request rebuilt) before that parse. Closing it needs a "
-    "stream read without a per-byte scan in Python: a compiled SSE scanner, or the addon recording a streamed "
-    "answer's ids and log-probs as arrays next to its text (a capture format change), and one read of the files "
-    "(a memory map shared by the index pass and the sessions)."
+    "a v2 record is read from its parts (no v1 line rebuilt) and a streamed answer's ids and log-probs from its "
+    "columns (addon/record_v2.py Stream), so no stream is scanned; what is left is spread over the pipeline, each "
+    "part a sizeable share of the baseline's whole time: inflating z (zlib and base64; half of the bytes are the "
+    "full records, one in 16 calls of a session, with the whole prompt's ids and request), the JSON of each v2 line "
+    "and tail, the non-streamed answers' log-prob lists, merging (each call's new prompt ids parsed into ints), "
+    "and building and writing the Parquet (Python lists into Arrow, zstd), then the index pass. Closing it needs "
+    "the per-token work out of Python: ids and log-probs handed to Arrow as buffers, not lists of ints and floats "
+    "(a compiled reader), and fewer full records or request bodies inflated only when a trace needs them."
 )
 CLOSE_THE_SIZE = (
     "what is left is mostly the full records (one in 16 per session, addon/record_v2.py FULL_EVERY) and each call's "
@@ -456,6 +457,14 @@ def _cpu() -> float:
 
 
 def _maxrss() -> int:
+    """This process's peak RSS: VmHWM, which a new program starts afresh (ru_maxrss keeps the parent's peak across
+    fork and exec: a parent that generated the captures would show in every child)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
