@@ -552,7 +552,7 @@ def report(
             f"Baseline and reconstruction each run in a fresh child process, alternated, fastest of {len(parse['all_seconds'])} "
             f"counted (baseline runs {parse['all_seconds']} s, reconstruction runs {rec['all_seconds']} s, with --jobs "
             f"{cfg.jobs} {par['all_seconds']} s); files in the page "
-            "cache (the generator just wrote them); peak RSS is the child's ru_maxrss, imports included."
+            "cache (the generator just wrote them); peak RSS is the child's VmHWM, imports included."
         ),
         (
             "Prompts grow linearly per session; every other session streamed (one SSE chunk per sampled token); a "
