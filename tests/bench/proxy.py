@@ -26,6 +26,12 @@ stream <= 1.3x streaming on, first byte <= direct + 5 ms, throughput >= 90 % of 
 first event <= chat + 5 ms per API) and writes them as Markdown, with the raw numbers as JSON next
 to it.
 
+Then the memory phase: fresh bare and addon mitmdumps, one after the other, each serving 16 long sessions at once
+(50 streamed calls each, the history growing to ~120 KB, 300-chunk answers) while their RSS is sampled every
+20 ms (idle, peak, end; in the notes and the JSON's ``memory``). ``--ab-addon PATH`` adds one more path,
+``addon-base``, running another addon (an older checkout's ``addon/polar.py``) in the same rotating rounds: its CPU
+per request and per stream against the addon's is an A/B of a change (notes and JSON).
+
 Client, upstream and proxies share the machine's cores, so absolute numbers depend on it; compare
 ratios, and the CPU rows when the machine is busy. Bare mitmdump buffers SSE (it streams only when
 an addon sets ``flow.response.stream``), so its first byte is its total time. Exit status 0 when
