@@ -21,9 +21,11 @@ The prompt id array is lifted out of the text before parsing (``_tokens.cut_arra
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
+from addon.record_v2 import Stream
 from addon.sse import SSEDecoder, SSEEvent
 from reconstruct._calls import Completion
 from reconstruct._json import dumps, loads
@@ -41,6 +43,12 @@ _FINISH = re.compile(r'"finish_reason":\s*"([^"\\]*)"')
 _OTHER_INDEX = re.compile(r'"index":\s*[1-9]')  # a second choice, or a second tool call: the exact path
 _ODD = ("\r", "\nevent:", '"error":', '"sglext":')  # CR line ends, named events, errors, SGLang: the exact path
 _EMPTY_DELTA = re.compile(r'"delta":\s*\{\}')  # vLLM's for held-back text; beyond the final chunk's: the exact path
+# A stream stored column-wise (addon/record_v2.py Stream): where a literal piece of its template leaves a slot whose
+# values the fast path would read across (then the text decides), and the columns it reads.
+_INDEX_SLOT = re.compile(r'"index":\s*$')
+_KEY_SLOT = re.compile(r"^\s*:")  # a slot before it is a key: only a delta's (addon/record_v2.py) is read across
+_DELTA_KEYS = {'"content"', '"reasoning"', '"reasoning_content"'}
+_IDS_KEY, _LOGPROB_KEY, _FINISH_KEY = '"token_ids"', '"logprob"', '"finish_reason"'
 
 
 class _Choice:
@@ -138,12 +146,24 @@ class ChatAssembler:
         self._choices: dict[int, _Choice] = {}
         self._prompt = prompt  # lifted out of the record line before parsing: the body holds null in its place
         self._sglext_output: Any = None
+        self._stream: tuple[Stream, str] | None = None
 
     def decode(self, chunk: bytes | str) -> list[Completion]:
         self._parts.append(chunk)
         return []
 
+    def decode_stream(self, stream: Stream, raw: str) -> None:
+        """The whole answer, a stream stored column-wise (addon/record_v2.py): its ids and log-probs are read from
+        the columns when the fast path would read them from its text; else its text is built and read."""
+        self._stream = (stream, raw)
+
     def flush(self) -> list[Completion]:
+        if self._stream is not None:
+            stream, raw = self._stream
+            self._stream = None
+            if self.fast and (found := self._fast_columns(stream, raw)) is not None:
+                return found
+            self._parts = [stream.text(raw)]
         parts, self._parts = self._parts, []
         text = b"".join(parts).decode("utf-8", "replace") if parts and isinstance(parts[0], bytes) else "".join(parts)
         if not self.streamed:
@@ -197,6 +217,68 @@ class ChatAssembler:
         self.usage, self.model, self.path = usage, last.get("model"), "fast"
         message = lambda: _exact_message(head + "null" + text[stop:])  # noqa: E731 - read only when asked for
         return [Completion(0, prompt, ids, logprobs, _last_finish(text), message)]
+
+    def _fast_columns(self, stream: Stream, raw: str) -> list[Completion] | None:
+        """What ``_fast`` reads from the stream's text, read from its columns and the rest of its text (the same
+        answer, or None exactly where ``_fast`` may not give one: then the text is built and read)."""
+        literals, n = stream.literals, stream.n
+        if self._prompt is None or not stream.gaps or stream.gaps[0][0] != 0:
+            return None
+        first = raw[: stream.gaps[0][1]]  # the text before the first templated event: the prompt ids' event
+        at = first.find(_LIFTED)
+        if at < 0:
+            return None
+        cut, stop = at + len(_LIFTED) - 4, at + len(_LIFTED)
+        head, after = first[:cut], [first[stop:]]  # the text around the lifted array, in order
+        rest: list[tuple[int, str]] = []  # the other raw pieces, each with the templated event it comes before
+        done = stream.gaps[0][1]
+        for i, size in stream.gaps[1:]:
+            rest.append((i, raw[done : done + size]))
+            after.append(raw[done : done + size])
+            done += size
+        reading = _template_reading(literals)
+        if reading is None:
+            return None
+        slots, key_slots, empty_per_event = reading
+        if (
+            any(m in head or any(m in t for t in after) for m in _ODD)
+            or any(t.startswith("event:") for _, t in rest)
+            or _OTHER_INDEX.search(head)
+            or any(_OTHER_INDEX.search(t) for t in after)
+            or any(not set(stream.columns[j].split("\n")) <= _DELTA_KEYS for j in key_slots)
+        ):
+            return None
+        # Each templated event, and each raw piece before one, ends an event: no pattern reads across into the next
+        # (only a key's colon and blanks could, and "event:" after a line break).
+        lefts = [first] + [t for i, t in rest if i < n]
+        if any(not t.endswith("\n\n") or t.rstrip().endswith(":") for t in lefts):
+            return None
+        empty = n * empty_per_event + sum(len(_EMPTY_DELTA.findall(t)) for t in after)
+        if empty > 1 or not rest or rest[-1][0] != n:
+            return None
+        columns = {key: (prefix, stream.columns[j]) for key, (prefix, j) in slots.items()}
+        last_text = rest[-1][1]
+        end = last_text.rfind('"usage"')
+        if end < 0:
+            return None
+        found = last_text.rfind("\ndata: {", 0, end)
+        start = found + 7 if found >= 0 else 6 if last_text.startswith("data: {") else -1
+        newline = last_text.find("\n", start) if start >= 0 else -1
+        if newline < 0:
+            return None
+        try:
+            last = loads(last_text[start:newline])
+            ids = loads("[" + ",".join(_in_order(_IDS, head, after, rest, columns[_IDS_KEY], n)) + "]")
+            logprobs = list(map(float, _in_order(_LOGPROB, head, after, rest, columns[_LOGPROB_KEY], n)))
+        except (ValueError, _Misfit):
+            return None
+        usage = last.get("usage") if isinstance(last, dict) else None
+        if not (isinstance(usage, dict) and usage.get("completion_tokens") == len(ids) == len(logprobs) > 0):
+            return None
+        finish = _columns_finish(first, rest, columns.get(_FINISH_KEY), n)
+        self.usage, self.model, self.path = usage, last.get("model"), "fast"
+        message = lambda: _exact_message(stream.text(raw))  # noqa: E731 - read only when asked for
+        return [Completion(0, self._prompt, ids, logprobs, finish, message)]
 
     # ---- streamed
     def _events(self, events: list[SSEEvent]) -> None:
@@ -335,6 +417,77 @@ def _full_choice(raw: dict[str, Any]) -> _Choice:
     }
     choice.finish = raw.get("finish_reason")
     return choice
+
+
+@functools.lru_cache(maxsize=256)
+def _template_reading(literals: tuple[str, ...]) -> tuple[dict[str, tuple[str, int]], list[int], int] | None:
+    """What the fast path reads from a stream template's literal pieces (a session's streams share one): for each
+    key it reads, the text before its values and its column; the columns of slots in a key's place (a delta's key,
+    whose values are checked); the empty deltas in each event. None when the literals alone rule it out: a marker
+    it refuses, a value it reads that is not a slot of its own, an event that does not end in a blank line."""
+    joined = "\0".join(literals)
+    if (
+        any(m in joined for m in _ODD)
+        or "\nevent:" in "\n" + literals[0]
+        or '"usage"' in joined
+        or _LIFTED[:-5] in joined
+        or _OTHER_INDEX.search(joined)
+        or any(_INDEX_SLOT.search(lit) for lit in literals[:-1])
+        or not literals[-1].endswith("\n\n")
+        or literals[-1].rstrip().endswith(":")
+    ):
+        return None
+    slots = {}
+    for key in (_IDS_KEY, _LOGPROB_KEY, _FINISH_KEY):
+        count = joined.count(key)
+        found = [j for j, lit in enumerate(literals[:-1]) if lit.rstrip().endswith(key + ":")]
+        if count == 1 and len(found) == 1:
+            literal = literals[found[0]]
+            slots[key] = (literal[literal.rindex(key) :], found[0])
+        elif count or key != _FINISH_KEY:
+            return None
+    key_slots = [j for j, lit in enumerate(literals[1:]) if _KEY_SLOT.match(lit)]
+    return slots, key_slots, len(_EMPTY_DELTA.findall(joined))
+
+
+class _Misfit(Exception):
+    """A column the fast path cannot read value for value (then the stream's text decides)."""
+
+
+def _in_order(
+    pattern: re.Pattern[str], head: str, after: list[str], rest: list[tuple[int, str]], column: tuple[str, str], n: int
+) -> list[str]:
+    """What ``pattern`` finds in the stream's text, in order: in the text before and after the lifted prompt array,
+    in the templated events (the column's values, each after its key as the literal has it) and in the raw pieces
+    between them. ``_Misfit`` when a value is not found exactly once (an empty id list)."""
+    key, values = column
+    found = pattern.findall(key + values.replace("\n", "\n" + key))
+    if len(found) != n:
+        raise _Misfit
+    out = pattern.findall(head) + pattern.findall(after[0])
+    done = 0
+    for i, text in rest:
+        out += found[done:i]
+        out += pattern.findall(text)
+        done = max(done, i)
+    return out + found[done:]
+
+
+def _columns_finish(first: str, rest: list[tuple[int, str]], column: tuple[str, str] | None, n: int) -> str | None:
+    """``_last_finish`` of the stream's text, from its end: the raw pieces and the finish reasons of the templated
+    events between them."""
+    values = column[1].split("\n") if column is not None else None
+    bounds = [(0, first), *rest]  # each raw piece comes before the templated event it names
+    stop = n
+    for i, text in reversed(bounds):
+        if values is not None:
+            for value in reversed(values[i:stop]):
+                if value[0] == '"' and "\\" not in value and '"' not in value[1:-1]:
+                    return value[1:-1]
+        stop = min(stop, i)
+        if (found := _last_finish(text)) is not None:
+            return found
+    return None
 
 
 def _last_finish(text: str) -> str | None:

@@ -28,7 +28,7 @@ from addon.record import upstream_body
 from reconstruct._calls import Call, Completion, Problem, Request
 from reconstruct._chat import ChatAssembler
 from reconstruct._errors import RetokenizeError
-from reconstruct._io import has_upstream_request, lifted_prompt
+from reconstruct._io import has_upstream_request, lifted_prompt, stored_stream
 from reconstruct._json import dumps
 from reconstruct._retokenize import Retokenizer
 from reconstruct._tokens import TokenText
@@ -134,13 +134,18 @@ def _was_translated(record: dict[str, Any]) -> bool:
 def extract_chat(record: dict[str, Any], retokenizer: Retokenizer | None) -> list[Call]:
     if record.get("request_raw") is not None:  # a head field: the bodies need not be parsed to know
         return [_failed(record, Problem.ERROR, "the request is not a Chat Completions body (not JSON)")]
-    text = _response_text(record)
     status = record.get("status")
+    stream = stored_stream(record) if status == 200 else None
+    text = _response_text(record) if stream is None else ""
     if text is None or status != 200:
         reason = (record.get("error") or {}).get("message") if isinstance(record.get("error"), dict) else None
         return [_failed(record, Problem.ERROR, f"status {status}: {reason or (text or '')[:200]}")]
-    asm = ChatAssembler(streamed=not text.lstrip().startswith("{"), prompt=lifted_prompt(record))
-    asm.decode(text)
+    if stream is not None:  # an event stream stored column-wise (addon/record_v2.py): read from its columns
+        asm = ChatAssembler(streamed=True, prompt=lifted_prompt(record))
+        asm.decode_stream(*stream)
+    else:
+        asm = ChatAssembler(streamed=not text.lstrip().startswith("{"), prompt=lifted_prompt(record))
+        asm.decode(text)
     said = ("content", "reasoning", "tool_calls")
     completions = [c for c in asm.flush() if c.token_ids or any(c.message.get(k) for k in said)]
     if not completions:

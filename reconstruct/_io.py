@@ -31,6 +31,8 @@ __all__ = [
     "parse_record",
     "read_session_ids",
     "read_session_tasks",
+    "read_v2",
+    "stored_stream",
 ]
 
 BLOCK = 8 << 20
@@ -217,7 +219,9 @@ class CaptureIndex:
             record = self._parse(line)
             if record is not None and record.get("v") == record_v2.FORMAT_VERSION:
                 try:
-                    record = parse_record(bytearray(expander.expand(record, checksum=False)))  # checked as v2
+                    parts = expander.parts(record)
+                    # Read from its parts; where only its v1 line will do, that line (checked as v2)
+                    record = read_v2(parts) or parse_record(bytearray(expander.line(record, parts)))
                 except record_v2.Unresolved:
                     self.counts.unresolved += 1
                     continue
@@ -257,17 +261,31 @@ class CaptureRecord(dict):  # type: ignore[type-arg]
     """A parsed record line whose request bodies are parsed when first read: they are the larger half of a line
     and most calls never need them (merging works on the token ids in the response). ``prompt`` is the answer's
     prompt id array when it was lifted out of the line before parsing (see ``parse_record``): the response body
-    then says ``"prompt_token_ids":null`` in its place."""
+    then says ``"prompt_token_ids":null`` in its place. A v2 record read from its parts (``read_v2``) gives its
+    bodies as ``record_v2.Lazy`` ones, and a streamed answer stored column-wise as ``stream`` (the stream and the
+    rest of its text): its ``response_body`` is built from them when first read."""
 
-    def __init__(self, head: dict[str, Any], bodies: memoryview, prompt: TokenText | None = None) -> None:
+    def __init__(
+        self,
+        head: dict[str, Any],
+        bodies: memoryview | tuple[record_v2.Lazy, record_v2.Lazy],
+        prompt: TokenText | None = None,
+        stream: tuple[record_v2.Stream, str] | None = None,
+    ) -> None:
         super().__init__(head)
-        self._bodies: memoryview | None = bodies  # '{"request": ..., "upstream_request": ...}'
+        # '{"request": ..., "upstream_request": ...}', or the two bodies of a v2 record
+        self._bodies: memoryview | tuple[record_v2.Lazy, record_v2.Lazy] | None = bodies
         self.prompt = prompt
+        self.stream = stream
+        self._text = stream is not None  # response_body is still to be built from ``stream``
         self.unreadable_bodies = False  # the bodies were read and did not parse (counted in the stats)
 
     def _load(self) -> None:
         if self._bodies is not None:
             bodies, self._bodies = self._bodies, None
+            if isinstance(bodies, tuple):
+                request, upstream = bodies[0].get(), bodies[1].get()
+                bodies = memoryview(b"".join((b'{"request": ', request, b', "upstream_request": ', upstream, b"}")))
             try:
                 parsed = loads_like_upstream(bodies)  # NaN and Infinity as vLLM reads them
             except ValueError:  # the head parsed, the bodies do not: keep the answer, lose the request
@@ -275,18 +293,29 @@ class CaptureRecord(dict):  # type: ignore[type-arg]
             self["request"] = parsed.get("request")
             self["upstream_request"] = parsed.get("upstream_request")
 
+    def _build_text(self) -> None:
+        if self._text and self.stream is not None:
+            self._text = False
+            self["response_body"] = self.stream[0].text(self.stream[1])
+
     def __getitem__(self, key: str) -> Any:
         if key in _BODY_KEYS:
             self._load()
+        elif key == "response_body":
+            self._build_text()
         return super().__getitem__(key)
 
     def get(self, key: str, default: Any = None) -> Any:
         if key in _BODY_KEYS:
             self._load()
+        elif key == "response_body":
+            self._build_text()
         return super().get(key, default)
 
     def sent_upstream_request(self) -> bool:
         """Whether ``upstream_request`` is set, without parsing the bodies."""
+        if isinstance(self._bodies, tuple):
+            return self._bodies[1].get() != b"null"
         if self._bodies is not None:
             return self._bodies[-len(_NO_UPSTREAM) :] != _NO_UPSTREAM
         return self.get("upstream_request") is not None
@@ -326,6 +355,74 @@ def parse_record(line: bytearray) -> dict[str, Any] | None:
     except ValueError:
         return None
     return record if isinstance(record, dict) else None
+
+
+_TAIL_CHUNKS = b'{"chunks": '  # a v2 record's tail starts with the chunk timings (addon/record_v2.py TAIL_KEYS)
+_TAIL_RAW = b', "request_raw": '
+_LIFTED_TEXT = '"prompt_token_ids":'
+
+
+def read_v2(parts: record_v2.Parts) -> CaptureRecord | None:
+    """The record a v2 record stands for, read from its parts as ``parse_record`` reads the v1 line (the same
+    record: its prompt ids lifted out, its chunk timings null, its bodies parsed when first read), without building
+    that line: a delta record's prompt ids are its base's first ``prompt_keep`` bytes and its own, and a streamed
+    answer stored column-wise stays so (the chat reader takes its ids and log-probs from the columns). None where
+    the v1 line is needed to read it the same way (unusual layouts); the caller then builds it."""
+    tail = parts.tail
+    holes: list[tuple[int, int]] = []
+    if tail.startswith(_TAIL_CHUNKS) and (stop := tail.find(_TAIL_RAW)) >= 0:
+        holes.append((len(_TAIL_CHUNKS), stop))
+    key = tail.find(_RESPONSE_KEY)
+    chat = parts.head.get("api") == "chat" or bool(parts.head.get("translated"))
+    prompt: TokenText | None = None
+    lifted = -1  # how many characters the lifted array had in the response text
+    at = tail.find(_PROMPT_IN_BODY, key) if key >= 0 and chat else -1
+    if at >= 0 and tail[at - 1] != 0x5C:
+        start = at + len(_PROMPT_IN_BODY)
+        while tail[start : start + 1] == b" ":
+            start += 1
+        stop = tail.find(b"]", start) if tail[start : start + 1] == b"[" else -1
+        if stop >= 0 and tail.find(b"\\", start, stop) < 0 and tail.find(b'"', start, stop) < 0:
+            if parts.prompt_keep:
+                array = parts.prompt_array  # the base's kept ids and this record's
+                if start + 1 != parts.prompt_at or b"\\" in array or b'"' in array:
+                    return None
+            else:
+                array = tail[start:stop]
+            prompt, lifted = TokenText.lifted(array), len(array) + 1
+            holes.append((start, stop + 1))
+    if parts.prompt_keep and prompt is None:
+        return None  # the ids it keeps are only in the line
+    pieces: list[bytes] = []
+    done = 0
+    for start, stop in holes:
+        pieces += (tail[done:start], b"null")
+        done = stop
+    pieces.append(tail[done:])
+    try:
+        members = loads(b"".join(pieces))
+    except ValueError:
+        return None
+    if not isinstance(members, dict) or "response_body" not in members:
+        return None
+    stream = None
+    if parts.stream is not None:
+        raw = members["response_body"]
+        if not isinstance(raw, str):
+            return None
+        found = parts.stream
+        if prompt is not None:  # the raw text's array became null: its gap is that much shorter
+            if not parts.prompt_array.isascii():
+                return None
+            hole = raw.find("null", raw.find(_LIFTED_TEXT) + len(_LIFTED_TEXT))
+            try:
+                found = found.resized(hole, 4 - lifted)
+            except ValueError:
+                return None
+        stream = (found, raw)
+        members["response_body"] = None  # built from the stream when first read
+    head = {"v": 1, **parts.head, **members}
+    return CaptureRecord(head, (parts.request, parts.upstream_request), prompt, stream)
 
 
 def parse_v2(line: bytearray) -> dict[str, Any] | None:
@@ -403,6 +500,11 @@ def _parse_head(line: bytearray, cut: int, holes: list[tuple[int, int]]) -> Any:
 def lifted_prompt(record: dict[str, Any]) -> TokenText | None:
     """The prompt id array ``parse_record`` lifted out of the record's response body, if it did."""
     return record.prompt if isinstance(record, CaptureRecord) else None
+
+
+def stored_stream(record: dict[str, Any]) -> tuple[record_v2.Stream, str] | None:
+    """A v2 record's streamed answer as stored column-wise, and the rest of its text (``read_v2``), if it is so."""
+    return record.stream if isinstance(record, CaptureRecord) and record._text else None
 
 
 def has_upstream_request(record: dict[str, Any]) -> bool:

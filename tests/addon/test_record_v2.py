@@ -1,9 +1,11 @@
 """Capture format v2 (addon/record_v2.py): each record expands to the very v1 line of its call, a session's records
 cost about what is new in them, and a lost record costs at most FULL_EVERY - 1 later records of its session."""
 
+import base64
 import itertools
 import json
 import random
+import zlib
 
 import pytest
 
@@ -113,3 +115,121 @@ def test_the_encoder_keeps_a_bounded_number_of_bytes_and_a_dropped_session_start
     assert [r["base"] is None for r in lines] == [True] * 6  # s1 and s2 push each other out
     expander = record_v2.Expander()
     assert [expander.expand(r) + b"\n" for r in lines] == [encode(ex, decode) for ex in exchanges]
+
+
+# ---------------------------------------------------------------- a streamed answer stored column-wise
+
+
+def vllm_events(rng, n_tokens, *, prompt=(1, 2, 3), reasoning=0, tool_call=False, odd_at=(), unicode=False):
+    """A vLLM stream as its server writes it (compact JSON): the role chunk with the prompt ids, one chunk a token
+    (reasoning first, then content), a tool call, the finish, the usage chunk and [DONE]."""
+    head = {"id": "chatcmpl-9", "object": "chat.completion.chunk", "created": 1700000000, "model": "m"}
+    dump = lambda obj: "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"  # noqa: E731
+    role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    events = [dump({**head, "choices": [role], "prompt_token_ids": list(prompt)})]
+    for k in range(n_tokens):
+        token = rng.randrange(50_000)
+        text = f'é{token}"✓\\' if unicode and k % 3 == 0 else f"w{token} "
+        delta = {"reasoning" if k < reasoning else "content": text}
+        if k in odd_at:  # a chunk of another shape: kept raw, in the middle of the templated ones
+            delta = {"content": text, "extra": [1, {"x": None}]}
+        finish = "stop" if k == n_tokens - 1 and not tool_call else None
+        lp = {"content": [{"token": text, "logprob": -rng.random(), "bytes": [119, 48], "top_logprobs": []}]}
+        choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish, "token_ids": [token]}
+        events.append(dump({**head, "choices": [choice]}))
+    if tool_call:
+        call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "bash", "arguments": "{}"}}
+        choice = {"index": 0, "delta": {"tool_calls": [call]}, "logprobs": {"content": [
+            {"token": "<tc>", "logprob": -0.5, "bytes": [60], "top_logprobs": []}]},
+            "finish_reason": "tool_calls", "token_ids": [7]}  # fmt: skip
+        events.append(dump({**head, "choices": [choice]}))
+    usage = {"prompt_tokens": len(prompt), "completion_tokens": n_tokens + tool_call, "total_tokens": 0}
+    events.append(dump({**head, "choices": [], "usage": usage}))
+    return [*events, "data: [DONE]\n\n"]
+
+
+def anthropic_events(rng, n_tokens):
+    """A native Anthropic Messages stream (named events), as a call passed through untranslated records it."""
+    out = ['event: message_start\ndata: {"type":"message_start","message":{"id":"msg_1","role":"assistant"}}\n\n']
+    for _ in range(n_tokens):
+        delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": f"w{rng.random()}"}}
+        out.append("event: content_block_delta\ndata: " + json.dumps(delta) + "\n\n")
+    return [*out, 'event: message_stop\ndata: {"type":"message_stop"}\n\n']
+
+
+STREAMS = {
+    "vllm": lambda rng: vllm_events(rng, 40),
+    "reasoning then content": lambda rng: vllm_events(rng, 40, reasoning=15),
+    "tool call at the end": lambda rng: vllm_events(rng, 30, tool_call=True),
+    "odd chunks in the middle": lambda rng: vllm_events(rng, 40, odd_at=(5, 6, 20)),
+    "escapes and unicode": lambda rng: vllm_events(rng, 40, unicode=True),
+    "json.dumps spacing": lambda rng: [e.decode() for e in sse(rng, 40)],
+    "anthropic native": lambda rng: anthropic_events(rng, 40),
+    "crlf": lambda rng: [e.replace("\n", "\r\n") for e in vllm_events(rng, 20)],
+    "torn": lambda rng: [*vllm_events(rng, 30)[:-3], 'data: {"id":"chatcmpl-9","choi'],
+    "short": lambda rng: vllm_events(rng, 3),
+    "not sse": lambda rng: ['{"id": "x", "choices": []}'],
+}
+
+
+def streamed(events, *, sid="s1", t=0.0, api="chat", translated=False):
+    chunks = [e.encode() for e in events]
+    body = Body.parse(json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi " * 100}]}).encode())
+    upstream = Body.parse(json.dumps({"model": "m", "messages": [], "stream": True}).encode()) if translated else None
+    return Exchange(session_id=sid, session_source="header", api=api, upstream="vllm", method="POST",
+                    path="/v1/chat/completions", t_start=t, request_headers={}, request=body,
+                    upstream_request=upstream, translated=translated, status=200, streamed=True,
+                    response_headers={"content-type": "text/event-stream"}, t_first_byte=t, t_end=t + 1,
+                    chunks=chunks, chunk_times=[t + 0.5] * len(chunks), complete=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", sorted(STREAMS))
+def test_a_stream_of_any_shape_expands_to_its_v1_line(shape):
+    rng = random.Random(shape)
+    exchanges = [streamed(STREAMS[shape](rng), t=i) for i in range(3)]
+    expander = record_v2.Expander()
+    assert [expander.expand(json.loads(line)) + b"\n" for line in v2_lines(exchanges)] == [
+        encode(ex, decode) for ex in exchanges
+    ]
+
+
+@pytest.mark.parametrize(
+    ("shape", "raw_events"),
+    [("vllm", 3), ("reasoning then content", 3), ("tool call at the end", 4), ("odd chunks in the middle", 6),
+     ("anthropic native", 2), ("escapes and unicode", 3)],
+)  # fmt: skip
+def test_a_stream_is_stored_column_wise_with_the_events_that_fit_no_template_kept_raw(shape, raw_events):
+    text = "".join(STREAMS[shape](random.Random(shape)))
+    raw, stream = record_v2.split_stream(text)
+    assert stream.text(raw) == text
+    assert raw.count("\n\n") == raw_events  # the role chunk, the usage chunk, [DONE] and what has another shape
+    assert stream.n == text.count("\n\n") - raw_events
+
+
+@pytest.mark.parametrize("shape", ["crlf", "short", "not sse", "torn"])
+def test_streams_that_fit_no_template_stay_text(shape):
+    text = "".join(STREAMS[shape](random.Random(shape)))
+    found = record_v2.split_stream(text)
+    assert found is None or found[1].text(found[0]) == text
+
+
+def test_a_stream_costs_less_column_wise():
+    exchanges = [streamed(vllm_events(random.Random(i), 300), t=i) for i in range(4)]
+    lines = [json.loads(line) for line in v2_lines(exchanges)]
+    assert all(len(line["sizes"]) == 3 for line in lines)  # stored column-wise
+    encoder = record_v2.Encoder()
+    plain = 0
+    for ex in exchanges:  # the same records with the stream kept as text
+        record = to_record(ex, decode)
+        record.head["streamed"] = False
+        plain += len(b"".join(encoder.encode(record)))
+    assert sum(len(json.dumps(line)) for line in lines) < plain
+
+
+def test_a_malformed_stream_part_is_an_error_naming_the_field():
+    (line,) = v2_lines([streamed(vllm_events(random.Random(7), 20))])
+    record = json.loads(line)
+    data = zlib.decompress(base64.b64decode(record["z"]))
+    record["z"] = base64.b64encode(zlib.compress(data[: data.rindex(b"\n")])).decode()  # a value lost
+    with pytest.raises(ValueError, match="malformed v2 fields"):
+        record_v2.Expander().expand(record)

@@ -74,7 +74,13 @@ def start_upstream(limit_s: int) -> tuple[subprocess.Popen[bytes], int]:
 
 
 def start_mitmdump(
-    up_port: int, log: Path, confdir: Path, limit_s: int, extra: list[str], wait_s: float = 30.0
+    up_port: int,
+    log: Path,
+    confdir: Path,
+    limit_s: int,
+    extra: list[str],
+    wait_s: float = 30.0,
+    python_wrapper: list[Path] | None = None,
 ) -> tuple[subprocess.Popen[bytes], int, int | None]:
     """A reverse-proxy mitmdump, once it accepts connections: (process, port, pid of mitmdump itself).
 
@@ -82,7 +88,13 @@ def start_mitmdump(
     errors such as an addon that fails to load or an unknown --set option) or never listens.
     """
     port = free_port()
-    cmd = [str(Path(sys.executable).parent / "mitmdump"), "--mode", f"reverse:http://127.0.0.1:{up_port}"]
+    # python_wrapper: a script (and its arguments) that runs mitmdump in this Python (a profiler, proxy_profile.py).
+    mitmdump = (
+        [sys.executable, *map(str, python_wrapper)]
+        if python_wrapper
+        else [str(Path(sys.executable).parent / "mitmdump")]
+    )
+    cmd = [*mitmdump, "--mode", f"reverse:http://127.0.0.1:{up_port}"]
     # Its own confdir, so the run leaves no CA files in ~/.mitmproxy.
     cmd += ["--listen-host", "127.0.0.1", "-p", str(port), "-q", "--set", f"confdir={confdir}", *extra]
     wrapped = shutil.which("timeout") is not None

@@ -26,6 +26,12 @@ stream <= 1.3x streaming on, first byte <= direct + 5 ms, throughput >= 90 % of 
 first event <= chat + 5 ms per API) and writes them as Markdown, with the raw numbers as JSON next
 to it.
 
+Then the memory phase: fresh bare and addon mitmdumps, one after the other, each serving 16 long sessions at once
+(50 streamed calls each, the history growing to ~120 KB, 300-chunk answers) while their RSS is sampled every
+20 ms (idle, peak, end; in the notes and the JSON's ``memory``). ``--ab-addon PATH`` adds one more path,
+``addon-base``, running another addon (an older checkout's ``addon/polar.py``) in the same rotating rounds: its CPU
+per request and per stream against the addon's is an A/B of a change (notes and JSON).
+
 Client, upstream and proxies share the machine's cores, so absolute numbers depend on it; compare
 ratios, and the CPU rows when the machine is busy. Bare mitmdump buffers SSE (it streams only when
 an addon sets ``flow.response.stream``), so its first byte is its total time. Exit status 0 when
@@ -126,6 +132,19 @@ class Config:
     """Client threads (one keep-alive connection each) for the concurrent throughput run."""
     apis: bool = True
     """Also measure each API through the translating addon: chat, anthropic, responses, google."""
+    ab_addon: Path | None = None
+    """A second addon (e.g. an older checkout's addon/polar.py, exported with ``git archive``) run as one more path,
+    ``addon-base``, in the same rounds: its CPU per request and per stream against the addon's is an A/B of a change
+    (notes and JSON; the targets still compare the addon with bare mitmdump)."""
+    memory: bool = True
+    """Also measure memory: fresh bare and addon mitmdumps, each serving --memory-sessions long sessions at once
+    (streamed, their history growing call by call); their RSS is sampled throughout."""
+    memory_sessions: int = 16
+    """Concurrent sessions of the memory phase."""
+    memory_calls: int = 50
+    """Calls per session in the memory phase (the history grows ~2.3 KB a call, to ~120 KB: ~30K tokens)."""
+    memory_chunks: int = 300
+    """SSE chunks (sampled tokens) per answer in the memory phase."""
 
     def __post_init__(self) -> None:
         if min(self.body_kb, self.stream_body_kb, self.chunks) < 1 or self.concurrency < 2:
@@ -356,7 +375,7 @@ def measure(targets: list[Target], cfg: Config, plan: Plan, console: Console) ->
                     gc.collect()
                     cpu0, n0 = cpu_seconds(t.cpu_pid), t.requests
                     run(t)
-                    if t.name == "addon":
+                    if t.name.startswith("addon"):
                         wait_recorded(t)  # the writer thread's work for these calls counts here, not in the next run
                     if cpu0 is not None and (cpu1 := cpu_seconds(t.cpu_pid)) is not None:
                         t.cpu_s[wname] = t.cpu_s.get(wname, 0.0) + cpu1 - cpu0
@@ -389,7 +408,109 @@ def start_paths(cfg: Config, plan: Plan, tmp: Path, polar_dir: Path, targets: li
             return str(e)
         workloads = ("stream",) if name == "streaming" else WORKLOADS
         targets.append(Target(name, f"http://127.0.0.1:{port}", workloads, proc=proc, cpu_pid=pid, log=log))
+    if cfg.ab_addon is not None:  # the A/B path: same options, its own capture folder
+        base = (ROOT / cfg.ab_addon).resolve()
+        base_dir = tmp / "captures-base"
+        base_dir.mkdir()
+        args = ["-s", str(base), "--set", f"polar_dir={base_dir}", "--set", "polar_upstream=vllm"]
+        args += ["--set", f"polar_format={cfg.polar_format}"]
+        log = tmp / "addon-base.log"
+        proc, port, pid = start_mitmdump(up_port, log, tmp / "conf-addon-base", plan.limit_s, args)
+        targets.append(Target("addon-base", f"http://127.0.0.1:{port}", WORKLOADS, proc=proc, cpu_pid=pid, log=log))
     return None
+
+
+# ---------------------------------------------------------------- memory: long sessions at once
+
+
+def rss_kb(pid: int | None) -> int | None:
+    """The process's resident set (VmRSS) in KiB, from /proc."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def long_session_bodies(k: int, calls: int, chunks: int) -> list[bytes]:
+    """Session ``k``'s streamed Chat Completions bodies: an ~8 KB start, then each call resends the history with the
+    last answer (~1.2 KB) and a tool result (~1.1 KB) added, to ~120 KB at 50 calls."""
+    start = session_bodies(1, target_bytes=8_000, stream=True)[0]
+    body = json.loads(start)
+    body["bench_chunks"] = chunks
+    body["messages"][0]["content"] += f" (session {k})"  # each session its own history
+    out = []
+    for i in range(calls):
+        out.append(json.dumps(body).encode())
+        call = {"id": f"call_{i}", "type": "function", "function": {"name": "bash", "arguments": "{}"}}
+        body["messages"].append({"role": "assistant", "content": f"step {i}: " + "tok " * 300, "tool_calls": [call]})
+        body["messages"].append({"role": "tool", "tool_call_id": f"call_{i}", "content": f"out {k}.{i} " * 110})
+    return out
+
+
+def _sample_rss(pid: int | None, peak: list[int], stop_sampling: threading.Event) -> None:
+    while not stop_sampling.wait(0.02):
+        peak[0] = max(peak[0], rss_kb(pid) or 0)
+
+
+def _memory_session(url: str, k: int, bodies: list[bytes], chunks: int) -> int:
+    """Session ``k``'s calls in turn on one keep-alive connection; how many failed."""
+    failed = 0
+    headers = {**HEADERS, "authorization": f"Bearer bench-memory-{k:02d}"}
+    with httpx.Client(base_url=url, timeout=60.0) as c:
+        for body in bodies:
+            try:
+                with c.stream("POST", URL_PATH, content=body, headers=headers) as r:
+                    events = sum(raw.count(b"data: ") for raw in r.iter_raw())
+                failed += r.status_code != 200 or events != chunks + 1
+            except httpx.HTTPError:
+                failed += 1
+    return failed
+
+
+def measure_memory(
+    cfg: Config, plan: Plan, tmp: Path, up_port: int, addon_args: list[str], console: Console
+) -> dict[str, dict[str, float | int | None]]:
+    """Fresh bare and addon mitmdumps, one after the other, each serving ``memory_sessions`` sessions at once (one
+    thread and keep-alive connection each, calls in turn): RSS before (idle, after one call) and its peak while the
+    sessions ran, sampled every 20 ms; proxy CPU per call too."""
+    bodies = [long_session_bodies(k, cfg.memory_calls, cfg.memory_chunks) for k in range(cfg.memory_sessions)]
+    out: dict[str, dict[str, float | int | None]] = {}
+    for name, extra in (("mitmdump", []), ("addon", addon_args)):
+        log = tmp / f"memory-{name}.log"
+        proc, port, pid = start_mitmdump(up_port, log, tmp / f"conf-memory-{name}", plan.limit_s, extra)
+        errors = 0
+        try:
+            url = f"http://127.0.0.1:{port}"
+            with httpx.Client(base_url=url, timeout=60.0) as c:  # one call: imports and pools warmed
+                c.post(URL_PATH, content=bodies[0][0], headers={**HEADERS, "authorization": "Bearer warm"}).read()
+            time.sleep(0.5)
+            idle, peak, stop_sampling = rss_kb(pid), [0], threading.Event()
+            sampler = threading.Thread(target=_sample_rss, args=(pid, peak, stop_sampling), daemon=True)
+            sampler.start()
+            cpu0, t0 = cpu_seconds(pid), time.perf_counter()
+            with ThreadPoolExecutor(cfg.memory_sessions) as ex:
+                n = len(bodies)
+                errors = sum(ex.map(_memory_session, [url] * n, range(n), bodies, [cfg.memory_chunks] * n))
+            wall, cpu1 = time.perf_counter() - t0, cpu_seconds(pid)
+            stop_sampling.set()
+            sampler.join()
+            calls = cfg.memory_sessions * cfg.memory_calls
+            out[name] = {
+                "rss_idle_mb": idle / 1024 if idle else None,
+                "rss_peak_mb": peak[0] / 1024,
+                "rss_end_mb": (rss_kb(pid) or 0) / 1024,
+                "cpu_ms_per_call": 1e3 * (cpu1 - cpu0) / calls if cpu0 is not None and cpu1 is not None else None,
+                "wall_s": wall,
+                "calls": calls,
+                "errors": errors,
+            }
+            console.print(f"memory, {name}: {out[name]}")
+        finally:
+            stop(proc)
+    return out
 
 
 def count_records(polar_dir: Path) -> tuple[int, int, list[str], list[str]]:
@@ -432,6 +553,7 @@ def main(cfg: Config) -> int:
     capture: dict[str, object] = {}  # what the addon wrote, for the JSON
     addon_log: list[str] = []
     api_paths: list[translate.ApiPath] = []
+    memory: dict[str, dict[str, float | int | None]] = {}
     with tempfile.TemporaryDirectory(prefix="polar-bench-") as tmpname:
         tmp = Path(tmpname)
         polar_dir = tmp / "captures"
@@ -456,6 +578,13 @@ def main(cfg: Config) -> int:
                     seq=plan.api_seq,
                     console=console,
                 )
+            if cfg.memory and addon_t is not None and addon_t.alive:
+                up_port = int(targets[0].base_url.rsplit(":", 1)[1])
+                memory_dir = tmp / "captures-memory"
+                memory_dir.mkdir()
+                args = ["-s", str((ROOT / cfg.addon).resolve()), "--set", f"polar_dir={memory_dir}"]
+                args += ["--set", "polar_upstream=vllm", "--set", f"polar_format={cfg.polar_format}"]
+                memory = measure_memory(cfg, plan, tmp, up_port, args, console)
         finally:
             died = [t for t in targets if t.proc is not None and t.proc.poll() is not None]
             for t in reversed(targets):  # proxies first, the upstream (direct's process) last
@@ -526,6 +655,12 @@ def main(cfg: Config) -> int:
         notes.append(f"Capture records written by the addon: {n} JSONL lines for {sent} requests sent through it{per}.")
         if addon_log:
             console.print("[yellow]addon mitmdump log:[/]\n" + "\n".join(addon_log))
+    invalid += [f"memory phase, {name}: {m['errors']} failed calls" for name, m in memory.items() if m["errors"]]
+    if memory:
+        notes.append(_memory_note(cfg, memory))
+    if "addon-base" in stats:
+        notes.append(_ab_note(cfg, stats))
+        console.print(notes[-1])
     for line in invalid:
         console.print(f"[bold red]INVALID[/] {line}")
     notes += [f"INVALID: {line}" for line in invalid]
@@ -543,6 +678,7 @@ def main(cfg: Config) -> int:
         "apis": {"stats": api_stats, "paths": translate.raw(api_paths)},
         "addon": {"loaded": addon_error is None, "error": addon_error, **capture},
         "valid": not invalid,
+        "memory": memory,
         "notes": notes,
     }
     out.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
@@ -550,12 +686,43 @@ def main(cfg: Config) -> int:
     return 1 if invalid else 0
 
 
+def _memory_note(cfg: Config, memory: dict[str, dict[str, float | int | None]]) -> str:
+    def mb(name: str, key: str) -> str:
+        value = memory.get(name, {}).get(key)
+        return f"{value:.0f} MB" if isinstance(value, float) else "-"
+
+    bare, addon = memory.get("mitmdump", {}), memory.get("addon", {})
+    peak_b, peak_a = bare.get("rss_peak_mb"), addon.get("rss_peak_mb")
+    ratio = f" ({peak_a / peak_b:.2f}x)" if isinstance(peak_a, float) and isinstance(peak_b, float) and peak_b else ""
+    cpu = [m.get("cpu_ms_per_call") for m in (bare, addon)]
+    cpu_text = f"; proxy CPU per call {cpu[0]:.1f} / {cpu[1]:.1f} ms" if all(isinstance(c, float) for c in cpu) else ""
+    return (
+        f"Memory: {cfg.memory_sessions} long sessions at once ({cfg.memory_calls} streamed calls each, the history "
+        f"growing from ~8 KB to ~{8 + 2.3 * cfg.memory_calls:.0f} KB, {cfg.memory_chunks}-chunk answers), each path a "
+        f"fresh mitmdump: RSS idle {mb('mitmdump', 'rss_idle_mb')} bare / {mb('addon', 'rss_idle_mb')} addon; peak "
+        f"{mb('mitmdump', 'rss_peak_mb')} bare / {mb('addon', 'rss_peak_mb')} addon{ratio}; at the end "
+        f"{mb('mitmdump', 'rss_end_mb')} / {mb('addon', 'rss_end_mb')} (VmRSS sampled every 20 ms){cpu_text}."
+    )
+
+
+def _ab_note(cfg: Config, stats: dict[str, dict[str, float | None]]) -> str:
+    a, b = stats.get("addon", {}), stats.get("addon-base", {})
+    rows = []
+    for key, what in (("cpu_ms_latency", "per non-streamed request"), ("cpu_ms_stream", "per stream"),
+                      ("cpu_ms_concurrent", "per request at concurrency 16")):  # fmt: skip
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, float) and isinstance(y, float) and y:
+            rows.append(f"{what} {x:.2f} / {y:.2f} ms ({x / y:.3f}x)")
+    return f"A/B in the same rounds: proxy CPU, addon / addon-base ({cfg.ab_addon}): " + "; ".join(rows) + "."
+
+
 def _notes(cfg: Config, plan: Plan, elapsed: float) -> list[str]:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return [
         (
             f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {'quick' if cfg.quick else 'full'} run ({elapsed:.0f} s), "
-            f"{platform.machine()} with {cpus} CPUs shared by client, upstream and proxies; Python "
+            f"{platform.machine()} with {cpus} CPUs shared by client, upstream and proxies (load average at the end "
+            f"{os.getloadavg()[0]:.1f}); Python "
             f"{platform.python_version()}, mitmproxy {version('mitmproxy')}, httpx {version('httpx')}."
         ),
         (

@@ -41,8 +41,8 @@ import tyro
 from rich.console import Console
 from rich.table import Table
 
-from addon import record_v2
-from addon.record import Body, Exchange, Record, to_record, v1_parts
+from addon import anthropic, chat, native, record_v2
+from addon.record import Body, Exchange, Record, merge_fields, to_record, v1_parts
 
 ROOT = Path(__file__).resolve().parents[2]
 EOT = 2
@@ -50,13 +50,14 @@ ROTATE = 256 << 20  # the addon's default polar_rotate_mb
 TARGET = 1.0  # reconstruction / baseline, one process, wall (issue 17)
 SIZE_TARGET = 0.1  # capture bytes per session, v2 / v1 (issue 27)
 CLOSE_THE_GAP = (
-    "most of what is left is the streamed answers (one SSE chunk per sampled token: their ids and log-probs are "
-    "read by regular-expression scans over the stream text, which cost more than orjson parsing those bytes), "
-    "then the index pass that reads every byte once before the sessions are read again; a v2 record is expanded "
-    "back to its v1 line (decompressed, its request rebuilt) before that parse. Closing it needs a "
-    "stream read without a per-byte scan in Python: a compiled SSE scanner, or the addon recording a streamed "
-    "answer's ids and log-probs as arrays next to its text (a capture format change), and one read of the files "
-    "(a memory map shared by the index pass and the sessions)."
+    "a v2 record is read from its parts (no v1 line rebuilt) and a streamed answer's ids and log-probs from its "
+    "columns (addon/record_v2.py Stream), so no stream is scanned; what is left is spread over the pipeline, each "
+    "part a sizeable share of the baseline's whole time: inflating z (zlib and base64; half of the bytes are the "
+    "full records, one in 16 calls of a session, with the whole prompt's ids and request), the JSON of each v2 line "
+    "and tail, the non-streamed answers' log-prob lists, merging (each call's new prompt ids parsed into ints), "
+    "and building and writing the Parquet (Python lists into Arrow, zstd), then the index pass. Closing it needs "
+    "the per-token work out of Python: ids and log-probs handed to Arrow as buffers, not lists of ints and floats "
+    "(a compiled reader), and fewer full records or request bodies inflated only when a trace needs them."
 )
 CLOSE_THE_SIZE = (
     "what is left is mostly the full records (one in 16 per session, addon/record_v2.py FULL_EVERY) and each call's "
@@ -90,6 +91,9 @@ class Config:
     keep: Path | None = None
     """Keep the generated captures and trajectories in this folder (default: a temporary one, removed)."""
     seed: int = 0
+    native: bool = True
+    """Also count capture bytes per session for the same calls made through a native API (Anthropic Messages,
+    translated by the addon: the record holds both request bodies); not written, not reconstructed."""
     jobs: int = os.cpu_count() or 1
     """Worker processes for the parallel run (``python -m reconstruct --jobs``); the single-process run is always
     measured too."""
@@ -140,8 +144,12 @@ class Writer:
 class Session:
     """A linear agent session; ``call()`` returns the next record line and keeps the history growing."""
 
-    def __init__(self, k: int, calls: int, min_prompt: int, max_prompt: int, text: str, seed: int) -> None:
+    def __init__(
+        self, k: int, calls: int, min_prompt: int, max_prompt: int, text: str, seed: int, native: bool = False
+    ) -> None:
         self.k, self.calls, self.text = k, calls, text
+        self.native = native  # also make each record's twin through a native API (see _native)
+        self.native_records: list[Record] = []  # those twins, taken by the caller
         self.rng = np.random.default_rng(seed * 100_003 + k)
         self.streamed = k % 2 == 0
         self.min_prompt, self.max_prompt = min_prompt, max_prompt
@@ -230,7 +238,34 @@ class Session:
         ex.chunks = self._stream(a, logprobs) if self.streamed else [self._json(a, logprobs)]
         ex.chunk_times = [t + 0.05 + 0.001 * i for i in range(len(ex.chunks))]
         ex.t_end = ex.chunk_times[-1]
+        if self.native:
+            self.native_records.append(self._native(ex, request))
         return to_record(ex, lambda data, encoding: data)
+
+    def _native(self, ex: Exchange, request: dict[str, Any]) -> Record:
+        """The same call made through Anthropic's Messages API and translated by the addon (addon/translating.py):
+        the record holds the harness's Messages body, the Chat Completions body the addon's translator made of it
+        (with the token fields it adds) and the same upstream answer."""
+        system, *rest = request["messages"]
+        messages = [
+            {"role": "assistant" if m["role"] == "assistant" else "user", "content": [{"type": "text", "text": m["content"]}]}
+            for m in rest
+        ]  # fmt: skip
+        tools = [
+            {"name": f["function"]["name"], "description": f["function"]["description"],
+             "input_schema": f["function"]["parameters"]}
+            for f in request["tools"]
+        ]  # fmt: skip
+        body = {"model": "bench", "max_tokens": 4096, "system": system["content"], "messages": messages,
+                "tools": tools, "stream": request["stream"]}  # fmt: skip
+        started = anthropic.start(body, "/v1/messages", {}, native.Options(model="", upstream="vllm"))
+        assert isinstance(started, anthropic.MessagesTranslation)
+        added = chat.token_fields(started.chat_body, "vllm")
+        twin = dataclasses.replace(
+            ex, api="anthropic", path="/v1/messages", request=Body(value=None, json_bytes=_dumps(body)),
+            upstream_request=Body(value=merge_fields(started.chat_body, added)), injected=added, translated=True,
+        )  # fmt: skip
+        return to_record(twin, lambda data, encoding: data)
 
     def _json(self, a: list[int], logprobs: list[float]) -> bytes:
         content = [
@@ -305,7 +340,12 @@ def generate(folder: Path, cfg: Config) -> dict[str, Any]:
     n_sessions, calls, max_prompt = cfg.sizes()
     words = "the file test run error fix code line value name path build diff patch tool call json repo".split()
     text = " ".join(random.Random(cfg.seed).choices(words, k=1_500_000))  # ~7 MB of filler
-    sessions = [Session(k, calls, cfg.min_prompt, max_prompt, text, cfg.seed) for k in range(n_sessions)]
+    sessions = [
+        Session(k, calls, cfg.min_prompt, max_prompt, text, cfg.seed, native=cfg.native) for k in range(n_sessions)
+    ]
+    # Bytes only (not written): each call's twin made through Anthropic's Messages API, encoded by one writer each.
+    native_bytes = {1: [0] * n_sessions, 2: [0] * n_sessions}
+    native_encoders = [record_v2.Encoder(), record_v2.Encoder()]
     # The same calls in both formats: v1 for the baseline, v2 (the addon's default) for the reconstruction.
     for v in (1, 2):
         (folder / f"v{v}").mkdir()
@@ -318,6 +358,10 @@ def generate(folder: Path, cfg: Config) -> dict[str, Any]:
                 for record in s.call(t):
                     for v in (1, 2):
                         per_session[v][s.k] += writers[v][s.k % 2].write(record)
+                for twin in s.native_records:
+                    native_bytes[1][s.k] += sum(map(len, v1_parts(twin)))
+                    native_bytes[2][s.k] += sum(map(len, native_encoders[s.k % 2].encode(twin)))
+                s.native_records.clear()
                 t += 0.01
     for w in (*writers[1], *writers[2]):
         w.close()
@@ -331,6 +375,8 @@ def generate(folder: Path, cfg: Config) -> dict[str, Any]:
         "v1_bytes": sum(p.stat().st_size for p in (folder / "v1").glob("*.jsonl")),
         "session_bytes_v1": sum(per_session[1]) / n_sessions,
         "session_bytes_v2": sum(per_session[2]) / n_sessions,
+        "native_session_bytes_v1": sum(native_bytes[1]) / n_sessions if cfg.native else None,
+        "native_session_bytes_v2": sum(native_bytes[2]) / n_sessions if cfg.native else None,
         "largest_session_bytes": largest,
         "prompt_tokens": sum(s.prompt_total for s in sessions),
         "sampled_tokens": sum(s.sampled for s in sessions),
@@ -411,6 +457,14 @@ def _cpu() -> float:
 
 
 def _maxrss() -> int:
+    """This process's peak RSS: VmHWM, which a new program starts afresh (ru_maxrss keeps the parent's peak across
+    fork and exec: a parent that generated the captures would show in every child)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
@@ -441,6 +495,8 @@ def report(
     mb = 1 << 20
     ratio = rec["seconds"] / parse["seconds"]
     size_ratio = gen["session_bytes_v2"] / gen["session_bytes_v1"]
+    native_v1, native_v2 = gen.get("native_session_bytes_v1"), gen.get("native_session_bytes_v2")
+    native_ratio = native_v2 / native_v1 if native_v1 and native_v2 else None
     cpu_ratio = rec["cpu_seconds"] / parse["cpu_seconds"]
     par_ratio = par["seconds"] / parse["seconds"]
     calls_tokens = gen["prompt_tokens"] + gen["sampled_tokens"]
@@ -449,6 +505,8 @@ def report(
         ("capture set (v2)", (f"{gen['sessions']} sessions x {gen['calls_per_session']} calls, {gen['records']:,} records, "
                          f"{gen['files']} files, {gen['bytes'] / mb:,.0f} MB; v1: {gen['v1_bytes'] / mb:,.0f} MB")),
         ("bytes per session: v2 / v1", f"{gen['session_bytes_v2'] / mb:,.2f} / {gen['session_bytes_v1'] / mb:,.2f} MB"),
+        *([("bytes per session, Anthropic Messages translated: v2 / v1",
+            f"{native_v2 / mb:,.2f} / {native_v1 / mb:,.2f} MB")] if native_ratio is not None else []),
         ("tokens in the calls (prompts + sampled)", f"{calls_tokens:,}"),
         ("tokens in the traces (prompt + response)", f"{trace_tokens:,} in {rec['traces']:,} traces"),
         (f"baseline: read + parse every v1 line ({parse['json']}), wall / CPU", f"{parse['seconds']:.2f} / {parse['cpu_seconds']:.2f} s"),
@@ -465,6 +523,8 @@ def report(
     targets = [
         ("capture bytes per session, v2 / v1", f"{size_ratio:.3f}", f"<= {SIZE_TARGET}",
          "PASS" if size_ratio <= SIZE_TARGET else "MISS"),
+        *([("capture bytes per session, v2 / v1, Anthropic Messages (translated)", f"{native_ratio:.3f}",
+            f"<= {SIZE_TARGET}", "PASS" if native_ratio <= SIZE_TARGET else "MISS")] if native_ratio is not None else []),
         ("reconstruct (v2) / baseline (v1 parse), 1 process, wall", f"{ratio:.2f}x", "<= 1.0x",
          "PASS" if ratio <= TARGET else "MISS"),
         ("reconstruct / baseline, 1 process, CPU", f"{cpu_ratio:.2f}x", "", "info"),
@@ -486,13 +546,13 @@ def report(
     notes = [
         (
             f"{when}, {_kind(cfg)} run, {platform.machine()} with {os.cpu_count()} CPUs shared with "
-            f"other work; Python {platform.python_version()}; generating the captures took {gen_s:.0f} s (not measured)."
+            f"other work (load average at the end {os.getloadavg()[0]:.1f}); Python {platform.python_version()}; generating the captures took {gen_s:.0f} s (not measured)."
         ),
         (
             f"Baseline and reconstruction each run in a fresh child process, alternated, fastest of {len(parse['all_seconds'])} "
             f"counted (baseline runs {parse['all_seconds']} s, reconstruction runs {rec['all_seconds']} s, with --jobs "
             f"{cfg.jobs} {par['all_seconds']} s); files in the page "
-            "cache (the generator just wrote them); peak RSS is the child's ru_maxrss, imports included."
+            "cache (the generator just wrote them); peak RSS is the child's VmHWM, imports included."
         ),
         (
             "Prompts grow linearly per session; every other session streamed (one SSE chunk per sampled token); a "
