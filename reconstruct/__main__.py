@@ -16,6 +16,7 @@ calls, traces, tokens, chain breaks by cause). Exit status 0 on success, 2 on ba
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -209,12 +210,35 @@ def audit(config: Audit) -> None:
     console.print(report.table())
 
 
+# Model types whose folders naming the generic tokenizer class (tokenizer_config.json) AutoTokenizer loads as that
+# class, with no quirk of its own: the tiny model (qwen3) and SmolLM2 (llama) as eval/upstream/models.py builds them.
+GENERIC_TOKENIZER_TYPES = frozenset({"qwen3", "llama"})
+
+
 def _tokenizer(name: str) -> Any:
-    if Path(name).is_dir():
+    """``AutoTokenizer.from_pretrained(name)``. A local folder whose tokenizer is the generic class for a model type
+    of GENERIC_TOKENIZER_TYPES is loaded as that class directly: the same tokenizer, without the ~1.7 CPU-s of
+    torch that importing AutoTokenizer costs (its config classes import it); the demo starts one per split."""
+    folder = Path(name)
+    if folder.is_dir():
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local dir needs no hub; never wait on a network
+        if _generic_tokenizer(folder):
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(name)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(name)
+
+
+def _generic_tokenizer(folder: Path) -> bool:
+    try:
+        settings = json.loads((folder / "tokenizer_config.json").read_text())
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return False
+    generic = settings.get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast")
+    return generic and "auto_map" not in settings and model_type in GENERIC_TOKENIZER_TYPES
 
 
 def expand(config: Expand) -> None:

@@ -12,6 +12,39 @@ from filelock import FileLock
 from eval.procs import ReferenceServer
 from eval.upstream.models import build_tiny
 
+# make test hands whole files to its two workers (--dist loadfile) in collection order (--no-loadscope-reorder in
+# pyproject.toml; xdist's default hands out the files with the most tests first, which left the minutes-long
+# one-test files for last: one worker ran the Pi demo alone at the end while the other had nothing left). The
+# longest files go first, each worker taking the next when it is free; the notebooks, which wait for the fast
+# demo's run folder (run_once), go last, when it has long been built, instead of idling a worker meanwhile.
+FIRST = [
+    "tests/eval/demo/test_demo.py",
+    "tests/eval/demo/test_demo_pi.py",
+    "tests/eval/harness/test_transparent.py",
+    "tests/eval/service/test_app.py",
+    "tests/eval/upstream/test_models.py",
+    "tests/train/test_launch.py",
+    "tests/eval/test_rollout.py",
+    "tests/eval/test_ray_rollout.py",
+    "tests/eval/harness/test_harnesses.py",
+    "tests/reconstruct/test_merge.py",
+]
+LAST = ["tests/test_notebooks.py"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """FIRST's files in that order, then the others by number of tests (xdist's own order), then LAST's."""
+    files = [item.nodeid.split("::")[0] for item in items]
+    count = {file: files.count(file) for file in set(files)}
+
+    def rank(file: str) -> tuple[int, int]:
+        if file in FIRST:
+            return (0, FIRST.index(file))
+        return (2, 0) if file in LAST else (1, -count[file])
+
+    order = {item.nodeid: rank(file) for item, file in zip(items, files, strict=True)}
+    items.sort(key=lambda item: order[item.nodeid])  # stable: each file's tests stay together, in their order
+
 
 def pytest_configure(config: pytest.Config) -> None:
     # A run starts ~30 reference servers: forked from one forkserver per worker that has their imports, each costs

@@ -11,6 +11,7 @@ and renamed into place, so a reader never sees half a model. Nothing is fetched 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import itertools
@@ -18,9 +19,9 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 # Set before transformers imports huggingface_hub, which reads it once: every load here is local.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -350,6 +351,35 @@ def _write_tiny(out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+@contextlib.contextmanager
+def _one_gguf_reader() -> Iterator[None]:
+    """transformers opens the GGUF afresh for the tokenizer, the config and the weights, and each ``GGUFReader``
+    walks the file's 49K-token vocabulary and merges in Python first; it also rebuilds gguf's tensor name map for
+    each of the model's ~400 modules. Here the loads share the first reader of the file (it only reads it) and
+    the first map of each (architecture, layers): together about half the build's CPU time."""
+    import gguf
+
+    originals = {name: getattr(gguf, name) for name in ("GGUFReader", "get_tensor_name_map")}
+    made: dict[tuple[object, ...], Any] = {}
+
+    def shared(name: str) -> Callable[..., Any]:
+        def get(*args: Any) -> Any:
+            key = (name, *(os.fspath(a) if isinstance(a, os.PathLike) else a for a in args))
+            if key not in made:
+                made[key] = originals[name](*args)
+            return made[key]
+
+        return get
+
+    for name in originals:  # transformers imports both from gguf at each load
+        setattr(gguf, name, shared(name))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(gguf, name, original)
+
+
 def _write_smollm2(out: Path, gguf: Path) -> None:
     import torch
     from transformers import (
@@ -361,10 +391,11 @@ def _write_smollm2(out: Path, gguf: Path) -> None:
     )
 
     print(f"loading {gguf} (dequantising Q4_1 to fp32: about a minute on 2 cores)")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-    loaded = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
-    )
+    with _one_gguf_reader():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        loaded = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+        )
     # A GGUF-loaded model refuses save_pretrained, so copy its dequantised weights into a plain Llama.
     # fp32 (~540 MB) rather than bf16: the saved weights are then exactly the dequantised values, and
     # the served log-probs match what a trainer recomputes from the same files.

@@ -26,11 +26,14 @@ from rich.console import Console
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "tests" / "bench" / "results"
 LIMIT_S = 300.0
-# Measured on 2026-12-02 (docs/benchmarks.md, "Test suite"): what the suite's CPU goes to.
+# Measured on 2026-12-03 (docs/benchmarks.md, "Test suite"): what the suite's CPU goes to now.
 CLOSE_IT = (
-    "the suite is CPU-bound (about 980 CPU-seconds on 2 cores); 40 % of it is the ~30 reference servers the tests "
-    "start, each ~9 CPU-seconds of torch and transformers imports: one server per worker serving every test file's "
-    "script by session (scripts key on session-id patterns already), and proxies shared the same way"
+    "the suite is CPU-bound (about 640 CPU-seconds on 2 cores); what is left is process start-up repeated hundreds "
+    "of times: each mini session imports the openai SDK (~1.2 CPU-s), each rollout and score process swebench's "
+    "harness (~1.4 CPU-s: it imports datasets and modal eagerly), each trainer and accelerate launcher torch "
+    "(~3 CPU-s); the two whole demo loops (mini and Pi, ~120 CPU-s each) start ~80 such processes apiece. Closing "
+    "it takes fewer processes per demo stage (one score and one reconstruct process for both splits) or phase "
+    "processes forked from an interpreter that has the imports, as the tests' reference servers are"
 )
 COMMAND = [
     sys.executable,
@@ -55,6 +58,7 @@ def main() -> int:
     done = subprocess.run(COMMAND, cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, check=False)
     wall = time.monotonic() - start
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    load_after = os.getloadavg()  # the 15-minute figure spans most of the run: the suite alone reads about 2
     summary = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary)}
     green = done.returncode == 0
@@ -79,6 +83,10 @@ def main() -> int:
         ),
         f"`{' '.join(['python', *COMMAND[1:]])}`: exit {done.returncode}, {summary}.",
         f"CPU of the suite's processes: {usage.ru_utime + usage.ru_stime:.0f} s in {wall:.0f} s of wall time.",
+        (
+            f"Load average at the end: {load_after[0]:.2f} / {load_after[1]:.2f} / {load_after[2]:.2f} (1 / 5 / 15 "
+            "min); above 2, other work shared the cores and the wall time is longer than on a quiet machine."
+        ),
     ]
     data = {"targets": targets, "counts": counts, "exit": done.returncode, "wall_s": wall, "notes": notes}
     (RESULTS / "suite.json").write_text(json.dumps(data, indent=1) + "\n")

@@ -2,6 +2,7 @@
 
 import json
 import random
+import shutil
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import pytest
 from addon.writer import CaptureWriter
 from eval.procs import ROOT
 from reconstruct import reconstruct, schema
-from reconstruct.__main__ import main
+from reconstruct.__main__ import _generic_tokenizer, main
 from tests.addon.test_record_v2 import decode, session
 
 
@@ -128,3 +129,27 @@ def test_issue27_a_spliced_v2_line_fails_its_checksum(tmp_path):
     _, stats = reconstruct([tmp_path / "spliced"])
     # Both sessions' next records refer to a record that is gone (the splice took the place of both).
     assert (stats.corrupt_lines, stats.unresolved_records) == (1, 2)
+
+
+def test_a_model_folders_generic_tokenizer_is_autotokenizers_without_torch(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from reconstruct.__main__ import _tokenizer
+
+    auto, direct = AutoTokenizer.from_pretrained(tiny_model_dir), _tokenizer(str(tiny_model_dir))
+    assert type(direct) is type(auto)
+    messages = [{"role": "user", "content": "List files."}, {"role": "assistant", "content": "ls <|im_end|>"}]
+    rendered = auto.apply_chat_template(messages, tokenize=False)
+    assert direct.apply_chat_template(messages, tokenize=False) == rendered
+    assert direct.encode(rendered, add_special_tokens=False) == auto.encode(rendered, add_special_tokens=False)
+    assert (direct.all_special_ids, direct.eos_token_id) == (auto.all_special_ids, auto.eos_token_id)
+    # A model type not known to load as the generic class goes through AutoTokenizer.
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "qwen2"}))
+    assert not _generic_tokenizer(other) and _generic_tokenizer(tiny_model_dir)
+    # What the shortcut is for: python -m reconstruct --tokenizer <tiny> never imports torch.
+    script = "import sys; from reconstruct.__main__ import _tokenizer; _tokenizer(sys.argv[1]); print(*sys.modules)"
+    run = subprocess.run([sys.executable, "-c", script, str(tiny_model_dir)], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0 and "torch" not in run.stdout.split(), run.stderr[-2000:]
