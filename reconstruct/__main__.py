@@ -63,7 +63,8 @@ class Build:
     that lost their worker and were run again (their partial records must not be trained on)."""
     jobs: int | None = None
     """Worker processes that build sessions in parallel (the output is the same for any number); default: one
-    per CPU, up to 8, once the captures pass 256 MB, else 1 (starting a worker costs about half a second)."""
+    per CPU, up to 8, once the captures pass 256 MB of v1 records or 32 MB of v2 ones, else 1 (starting a worker
+    costs about half a second)."""
     progress: bool = True
     """Show a progress bar over sessions (on a terminal)."""
     allow_empty: bool = False
@@ -168,11 +169,23 @@ def _nothing_usable(captures: tuple[Path, ...], stats: Any) -> str:
     )
 
 
+# Capture bytes past which worker processes pay for their start. A v2 byte carries about 8 times a v1 byte's work
+# (measured, tests/bench/reconstruct.py, quiet 2-core box: 15 MB of v2 took 0.50 s in one process and 0.73 s with
+# --jobs 2; 46 MB 1.64 s and 1.32 s; 153 MB 4.86 s and 3.20 s), so a v2 file counts 8 times its size.
+PARALLEL_BYTES = 256 << 20
+V2_WEIGHT = 8
+
+
 def _auto_jobs(captures: tuple[Path, ...]) -> int:
+    from addon.record_v2 import V2_START
     from reconstruct._io import discover
 
-    size = sum(p.stat().st_size for p in discover(list(captures)))
-    return min(8, os.cpu_count() or 1) if size > 256 << 20 else 1
+    work = 0
+    for path in discover(list(captures)):
+        with open(path, "rb") as f:
+            v2 = f.read(len(V2_START)) == V2_START  # a file counts in its first record's format
+        work += path.stat().st_size * (V2_WEIGHT if v2 else 1)
+    return min(8, os.cpu_count() or 1) if work > PARALLEL_BYTES else 1
 
 
 def stats(config: StatsCommand) -> None:

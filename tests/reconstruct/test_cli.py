@@ -153,3 +153,21 @@ def test_a_model_folders_generic_tokenizer_is_autotokenizers_without_torch(tiny_
     script = "import sys; from reconstruct.__main__ import _tokenizer; _tokenizer(sys.argv[1]); print(*sys.modules)"
     run = subprocess.run([sys.executable, "-c", script, str(tiny_model_dir)], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0 and "torch" not in run.stdout.split(), run.stderr[-2000:]
+
+
+def test_default_jobs_start_workers_for_less_v2_than_v1(tmp_path, monkeypatch):
+    """--jobs' default weighs a v2 byte at V2_WEIGHT v1 bytes: 40 MB of v2 is worth workers, 40 MB of v1 is not
+    (sparse files: only the first record's format and the size are read)."""
+    from addon.record_v2 import V2_START
+    from reconstruct.__main__ import PARALLEL_BYTES, V2_WEIGHT, _auto_jobs
+
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    size = PARALLEL_BYTES // V2_WEIGHT + (8 << 20)
+    for name, first in (("v1", b'{"v": 1, "id": "a"}\n'), ("v2", V2_START + b'"id": "a"}\n')):
+        (tmp_path / name).mkdir()
+        with open(tmp_path / name / "capture.jsonl", "wb") as f:
+            f.write(first)
+            f.truncate(size)
+    assert _auto_jobs((tmp_path / "v1",)) == 1
+    assert _auto_jobs((tmp_path / "v2",)) == 4
+    assert _auto_jobs((tmp_path / "v1", tmp_path / "v2")) == 4
