@@ -69,8 +69,8 @@ PY = sys.executable
 
 @dataclasses.dataclass
 class Args:
-    """Teach, then GRPO rounds, each measured. With SmolLM2-135M on a quiet 2-core box the defaults take about 40
-    minutes: SFT about 10, each of the five stages about 5 (docs/demo.md, "Measured so far")."""
+    """Teach, then GRPO rounds, each measured. With SmolLM2-135M on a quiet 2-core box the defaults take about 45
+    minutes: SFT about 11, each of the five stages 4-7 (docs/demo.md, "Measured so far")."""
 
     # ---- model, harness, tasks
     model: Path | None = None
