@@ -156,8 +156,7 @@ class Encoder:
         """The v2 line of ``record`` in pieces (checksum and newline included); it becomes its session's last."""
         session = record.head["session_id"]
         last = self._last.get(session)
-        if last is not None and last.since_full + 1 >= FULL_EVERY:
-            last = None  # a full record
+        full = last is None or last.since_full + 1 >= FULL_EVERY
         members = {k: record.head[k] for k in TAIL_KEYS}
         body = members["response_body"]
         found = split_stream(body) if record.head.get("streamed") and isinstance(body, str) else None
@@ -173,6 +172,10 @@ class Encoder:
             tail = tail[: span[0]] + tail[span[0] + prompt_keep :]
         request_new = memoryview(record.request)[keep:]
         upstream_new = memoryview(record.upstream_request)[up_keep:]
+        kept = None  # a full record's own copy of what it keeps of its base, compressed on its own (``zf``)
+        if full and last is not None and (keep or up_keep or prompt_keep):
+            prefixes = (record.request[:keep], record.upstream_request[:up_keep], prompt_ids[:prompt_keep])
+            kept = zlib.compress(b"".join(prefixes), LEVEL)
         z = zlib.compressobj(LEVEL)
         packed = b"".join((z.compress(tail), z.compress(request_new), z.compress(upstream_new)))
         if found is not None:
@@ -187,8 +190,12 @@ class Encoder:
             "sizes": [len(tail), len(request_new)] + ([len(upstream_new)] if found is not None else []),
             "z": base64.b64encode(packed).decode("ascii"),
         }
+        if kept is not None:
+            head["zf"] = base64.b64encode(kept).decode("ascii")
+        elif full:
+            head["base"] = None
         line = (json.dumps(head, ensure_ascii=False).encode("utf-8")[:-1],)
-        since = last.since_full + 1 if last else 0
+        since = 0 if full or last is None else last.since_full + 1
         self._remember(session, _Last(record.head["id"], record.request, record.upstream_request, prompt_ids, since))
         return (*line, crc_tail(line))
 
@@ -206,15 +213,19 @@ class Lazy:
     def get(self) -> bytes:
         if self._value is not None:
             return self._value
-        chain: list[Lazy] = [self]  # back to a body already built (iterative: no recursion on long chains)
-        while (base := chain[-1]._base) is not None and base._value is None:
-            chain.append(base)
-        value = b""
-        for body in reversed(chain):
-            assert body._base is not None and body._base._value is not None
-            value = body._value = body._base._value[: body._keep] + body._new
-            body._base = None
-        return value
+        # Back to a body already built, taking from each body on the way only the bytes this one keeps of it: one
+        # copy, and none of the bodies between is built and kept (a session's records may all chain).
+        pieces: list[bytes | memoryview] = [self._new]
+        need, base = self._keep, self._base
+        while base is not None and base._value is None:
+            if need > base._keep:
+                pieces.append(memoryview(base._new)[: need - base._keep])
+                need = base._keep
+            base = base._base
+        assert base is not None  # a body without a base is built from the start
+        pieces.append(memoryview(base._value)[:need])
+        self._value, self._base = b"".join(reversed(pieces)), None
+        return self._value
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,40 +280,49 @@ class Expander:
         if not isinstance(session, str) or not isinstance(rid, str):
             raise ValueError("a v2 record without a session_id or id")
         last = self._last.pop(session, None)  # a record that fails leaves the session without a base
-        if base is not None and (last is None or last.id != base):
-            raise Unresolved(f"record {rid}: its base record {base} was not read before it (torn or lost)")
-        if base is None:
-            last = None
+        if base is None or last is None or last.id != base:
+            if base is not None and "zf" not in v2:
+                raise Unresolved(f"record {rid}: its base record {base} was not read before it (torn or lost)")
+            last = None  # a full record: what it keeps of its base, it holds in ``zf`` too
         try:
             sizes, keeps = v2["sizes"], (v2["request_keep"], v2["upstream_keep"], v2.get("prompt_keep", 0))
+            if not all(isinstance(k, int) and k >= 0 for k in keeps):
+                raise ValueError("a *_keep that is not a count")
             data = zlib.decompress(base64.b64decode(v2["z"], validate=True))
             tail_end, request_end = sizes[0], sizes[0] + sizes[1]
             upstream_end = request_end + sizes[2] if len(sizes) > 2 else len(data)
             stream = Stream.decode(data[upstream_end:]) if len(sizes) > 2 else None
+            kept = b""  # what the record keeps of its base, from its own ``zf`` (read only without that base)
             if last is None and any(keeps):
-                raise ValueError("a full record keeps bytes of a base")
-            if not all(isinstance(k, int) and k >= 0 for k in keeps):
-                raise ValueError("a *_keep that is not a count")
+                if base is None or "zf" not in v2:
+                    raise ValueError("a full record keeps bytes of a base")
+                kept = zlib.decompress(base64.b64decode(v2["zf"], validate=True))
+                if len(kept) != sum(keeps):
+                    raise ValueError("zf does not hold the bytes the *_keep fields count")
         except (KeyError, TypeError, IndexError, zlib.error, ValueError) as e:
-            raise ValueError(f"record {rid}: malformed v2 fields (sizes, *_keep, z): {e}") from e
+            raise ValueError(f"record {rid}: malformed v2 fields (sizes, *_keep, z, zf): {e}") from e
         tail = data[:tail_end]
         if tail[:1] != b"{" or tail[-1:] != b"}":
             raise ValueError(f"record {rid}: malformed v2 fields (z): its tail is not a JSON object")
         at = _prompt_start(tail)
-        if keeps[2] and last is not None:  # (a full record keeps nothing: checked above)
+        if keeps[2]:
             if at < 0:
                 raise ValueError(f"record {rid}: malformed v2 fields (prompt_keep): its tail holds no prompt ids")
             stop = tail.find(b"]", at)
-            kept = memoryview(last.prompt_array)[1 : 1 + keeps[2]]
-            prompt_array = b"".join((b"[", kept, tail[at : stop if stop >= 0 else at]))
+            ids = memoryview(last.prompt_array)[1 : 1 + keeps[2]] if last else memoryview(kept)[-keeps[2] :]
+            prompt_array = b"".join((b"[", ids, tail[at : stop if stop >= 0 else at]))
         else:
             span = prompt_span(tail)
             prompt_array = tail[span[0] - 1 : span[1]] if span else b""
-        request = Lazy(last.request if last else None, keeps[0], data[tail_end:request_end])
-        upstream = Lazy(last.upstream_request if last else None, keeps[1], data[request_end:upstream_end])
+        if last is not None:
+            request = Lazy(last.request, keeps[0], data[tail_end:request_end])
+            upstream = Lazy(last.upstream_request, keeps[1], data[request_end:upstream_end])
+        else:
+            request = Lazy(None, 0, kept[: keeps[0]] + data[tail_end:request_end])
+            upstream = Lazy(None, 0, kept[keeps[0] : keeps[0] + keeps[1]] + data[request_end:upstream_end])
         self._last[session] = _Seen(rid, request, upstream, prompt_array)
         head = {k: v2.get(k) for k in HEAD_KEYS}
-        return Parts(head, tail, at, keeps[2] if last else 0, prompt_array, request, upstream, stream)
+        return Parts(head, tail, at, keeps[2], prompt_array, request, upstream, stream)
 
     def expand(self, v2: dict[str, Any], *, checksum: bool = True) -> bytes:
         """The v1 line (no newline) that the v2 record ``v2`` stands for; :class:`Unresolved` when its base is not

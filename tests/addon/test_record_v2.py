@@ -72,10 +72,30 @@ def test_a_session_costs_about_what_is_new_in_it():
 
 def test_a_full_record_every_k_calls_and_deltas_in_between_refer_to_the_previous():
     lines = [json.loads(line) for line in v2_lines(session(random.Random(2), 40))]
-    assert [i for i, r in enumerate(lines) if r["base"] is None] == [0, 16, 32]
+    assert [i for i, r in enumerate(lines) if r["base"] is None or "zf" in r] == [0, 16, 32]
+    assert lines[0]["base"] is None and "zf" not in lines[0]  # the session's first: nothing to refer to
     for before, after in itertools.pairwise(lines):
-        assert after["base"] in (None, before["id"])
-        assert after["v"] == 2 and (after["base"] is None or after["request_keep"] > 0)
+        assert after["base"] == before["id"]
+        assert after["v"] == 2 and after["request_keep"] > 0
+
+
+def test_a_full_record_reads_as_a_delta_after_its_base_and_whole_without_it():
+    """A full record is written as a delta of the session's previous record plus its own copy of what it keeps
+    (``zf``): a reader that has that base never inflates ``zf``; one that lost it reads the record whole."""
+    exchanges = session(random.Random(6), 18)
+    v1 = [encode(ex, decode)[:-1] for ex in exchanges]
+    lines = [json.loads(line) for line in v2_lines(exchanges)]
+    full = lines[16]
+    assert "zf" in full and full["base"] == lines[15]["id"]
+    expander = record_v2.Expander()
+    for record in lines[:16]:
+        expander.expand(record)
+    assert expander.expand({**full, "zf": "not read"}) == v1[16]  # read on its base: zf untouched
+    assert expander.expand(lines[17]) == v1[17]
+    alone = record_v2.Expander()  # its base lost: it reads from zf, and so does the next
+    assert [alone.expand(r) for r in lines[16:]] == v1[16:]
+    with pytest.raises(ValueError, match="zf"):
+        record_v2.Expander().expand({**full, "zf": base64.b64encode(zlib.compress(b"short")).decode()})
 
 
 @pytest.mark.parametrize("lost", [0, 5, 15])
