@@ -222,7 +222,7 @@ class Lazy:
                 pieces.append(memoryview(base._new)[: need - base._keep])
                 need = base._keep
             base = base._base
-        assert base is not None  # a body without a base is built from the start
+        assert base is not None and base._value is not None  # a body without a base is built from the start
         pieces.append(memoryview(base._value)[:need])
         self._value, self._base = b"".join(reversed(pieces)), None
         return self._value
