@@ -46,6 +46,9 @@ _EMPTY_DELTA = re.compile(r'"delta":\s*\{\}')  # vLLM's for held-back text; beyo
 # A stream stored column-wise (addon/record_v2.py Stream): where a literal piece of its template leaves a slot whose
 # values the fast path would read across (then the text decides), and the columns it reads.
 _INDEX_SLOT = re.compile(r'"index":\s*$')
+# A column of values each of which _IDS (after its key) captures whole but for its brackets, or _LOGPROB whole.
+_ONE_ID_EACH = re.compile(r"\[[0-9]+\](?:\n\[[0-9]+\])*")
+_NUMBER_EACH = re.compile(r"-?[0-9][0-9.eE+-]*(?:\n-?[0-9][0-9.eE+-]*)*")
 _KEY_SLOT = re.compile(r"^\s*:")  # a slot before it is a key: only a delta's (addon/record_v2.py) is read across
 _DELTA_KEYS = {'"content"', '"reasoning"', '"reasoning_content"'}
 _IDS_KEY, _LOGPROB_KEY, _FINISH_KEY = '"token_ids"', '"logprob"', '"finish_reason"'
@@ -461,7 +464,12 @@ def _in_order(
     in the templated events (the column's values, each after its key as the literal has it) and in the raw pieces
     between them. ``_Misfit`` when a value is not found exactly once (an empty id list)."""
     key, values = column
-    found = pattern.findall(key + values.replace("\n", "\n" + key))
+    if pattern is _IDS and _ONE_ID_EACH.fullmatch(values):  # what findall would capture, without a scan
+        found = values[1:-1].split("]\n[")
+    elif pattern is _LOGPROB and _NUMBER_EACH.fullmatch(values):
+        found = values.split("\n")
+    else:
+        found = pattern.findall(key + values.replace("\n", "\n" + key))
     if len(found) != n:
         raise _Misfit
     out = pattern.findall(head) + pattern.findall(after[0])

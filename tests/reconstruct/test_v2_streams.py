@@ -28,6 +28,7 @@ VARIANTS = {
     "second choice": lambda rng: odd(vllm_events(rng, 30), (12,), '"index":0', '"index":1'),
     "error event": lambda rng: odd(vllm_events(rng, 30), (15,), "data: {", 'data: {"error":{"message":"x"},'),
     "empty ids": lambda rng: odd(vllm_events(rng, 30), (7,), '"token_ids":[', '"token_ids":[],"t":['),
+    "two ids in an event": lambda rng: odd(vllm_events(rng, 30), (8,), '"token_ids":[', '"token_ids":[7, '),
     "escaped finish": lambda rng: odd(vllm_events(rng, 30), (30,), '"finish_reason":"stop"', '"finish_reason":"s\\"t"'),
     "finish mid-stream": lambda rng: odd(vllm_events(rng, 30), (10,), '"finish_reason":null', '"finish_reason":"x"'),
     "nan log-prob": lambda rng: odd(vllm_events(rng, 30), (9,), '"logprob":-', '"logprob":NaN,"y":-'),
