@@ -21,10 +21,12 @@ field                  meaning
                        ``method``, ``path``, ``status``, ``streamed``, ``t_start``, ``t_first_byte``,
                        ``t_end``, ``complete``, ``error``, ``request_headers``, ``response_headers``,
                        ``injected``, ``translated``, ``constrained``, ``clamped``
-``base``               null for a full record; else the ``id`` of the session's previous record in
-                       this file, whose request bodies this one's extend
+``base``               the ``id`` of the session's previous record in this file, whose request bodies
+                       this one's extend; null when it extends none (the session's first record in the
+                       file, one whose previous record the writer no longer keeps, a full record that
+                       shares no byte with it): then every ``*_keep`` is 0
 ``request_keep``       bytes of the base record's ``request`` (as the v1 line holds it) that this
-                       record's ``request`` starts with; 0 in a full record
+                       record's ``request`` starts with
 ``upstream_keep``      the same for ``upstream_request`` (``null`` counts as the 4 bytes ``null``)
 ``prompt_keep``        bytes of the base record's prompt id array (the first ``"prompt_token_ids":[``
                        in its response body, up to ``]``: a vLLM answer repeats the whole prompt's
@@ -40,6 +42,10 @@ field                  meaning
                        prompt ids, and with a ``stream`` part less the events stored there); the
                        request's bytes after ``request_keep``; the upstream request's bytes after
                        ``upstream_keep``; ``stream``
+``zf``                 only in a full record that has a base: base64 of the ``zlib`` stream of the
+                       bytes its ``*_keep`` fields keep of the base, one after the other (request,
+                       upstream request, prompt ids), so that it reads without its base (added in issue
+                       27's third round; before it, full records had a null ``base``)
 ``crc``                as in v1: CRC-32 of the line's bytes before it, the last member
 =====================  ==========================================================================
 
@@ -75,11 +81,13 @@ The stream as received is the literal pieces and each event's values, event by e
 pieces put in at their ``gaps``. A reader takes the sampled ids and log-probs from the ``token_ids`` and ``logprob``
 columns without building or scanning the stream's text (reconstruct/_chat.py ``_fast_columns``).
 
-Damage stays bounded. A session's record is full (``base`` null) when it is the session's first in its file or
-its previous full one is :data:`FULL_EVERY` records back, so a torn or lost record (``kill -9``, a full disk) takes
-at most ``FULL_EVERY - 1`` later records of that one session with it. A reader keeps the last record it rebuilt of
-each session and takes a delta record only when its ``base`` is that record: else the record is unresolved,
-counted, never rebuilt on the wrong base.
+Damage stays bounded. A session's record is full (``base`` null, or ``zf`` set) when it is the session's first in
+its file or its previous full one is :data:`FULL_EVERY` records back, so a torn or lost record (``kill -9``, a full
+disk) takes at most ``FULL_EVERY - 1`` later records of that one session with it. A reader keeps the last record it
+rebuilt of each session and takes a delta record only when its ``base`` is that record: else the record is
+unresolved, counted, never rebuilt on the wrong base. A full record with a base is written as a delta of it plus
+``zf``: a reader that has the base reads it as a delta and never inflates ``zf`` (most of the record's bytes, the
+whole history again); one that lost the base reads the kept bytes from ``zf``.
 """
 
 from __future__ import annotations
