@@ -49,6 +49,7 @@ import tyro
 from rich.console import Console
 from rich.table import Table
 
+from addon import record_v2
 from tests.bench.procs import ROOT, start_mitmdump, start_upstream, stop, tail
 
 console = Console()
@@ -91,17 +92,47 @@ def wait_for(condition: Callable[[], Any], what: str, timeout: float = 120.0) ->
     return result
 
 
-def read_records(directory: Path) -> tuple[list[dict[str, Any]], int]:
-    """Records under ``directory`` and the number of lines that do not parse (torn)."""
-    records, torn = [], 0
+@dataclasses.dataclass
+class OnDisk:
+    """What a capture folder holds, each v2 record read back as the v1 record it stands for."""
+
+    records: list[dict[str, Any]]
+    torn: int  # lines that do not parse
+    unresolved: int  # v2 records whose base record is not on disk: present, but unreadable (a silent loss)
+    deltas: int = 0  # v2 records read on their base (the case a lost base would hurt)
+
+    def calls(self) -> set[str]:
+        return {call for r in self.records if (call := call_of(r)) is not None}
+
+
+def read_records(directory: Path) -> OnDisk:
+    found = OnDisk([], 0, 0)
     for path in sorted(directory.glob("*.jsonl")):
+        expander = record_v2.Expander()
         for line in path.read_bytes().split(b"\n"):
-            if line:
-                try:
-                    records.append(json.loads(line))
-                except ValueError:
-                    torn += 1
-    return records, torn
+            if not line:
+                continue
+            try:
+                record = json.loads(line)
+                if record.get("v") == record_v2.FORMAT_VERSION:
+                    found.deltas += record.get("base") is not None
+                    record = json.loads(expander.expand(record))
+            except record_v2.Unresolved:
+                found.unresolved += 1
+                continue
+            except ValueError:
+                found.torn += 1
+                continue
+            found.records.append(record)
+    return found
+
+
+def call_of(record: dict[str, Any]) -> str | None:
+    """The call a record is of: the marker in its request's last message (:func:`agent_body`)."""
+    request = record.get("request")
+    messages = request.get("messages") if isinstance(request, dict) else None
+    last = messages[-1].get("content") if isinstance(messages, list) and messages else None
+    return last.removeprefix("call ") if isinstance(last, str) and last.startswith("call ") else None
 
 
 def health(port: int) -> dict[str, Any]:
@@ -136,6 +167,25 @@ def _body(session_bytes: int = 200, **extra: Any) -> dict[str, Any]:
     return {"model": "m", "messages": [{"role": "user", "content": "x" * session_bytes}], **extra}
 
 
+CALLS_PER_SESSION = 8  # the clients are agents: a session's calls resend its history (v2 records refer back)
+
+
+def agent_body(session: str, k: int, history_bytes: int, **extra: Any) -> dict[str, Any]:
+    """Call ``k`` of ``session``: its history (what the calls before it sent and got) and a last message naming
+    the call (``call <session>#<k>``), as an agent resends its history with each call."""
+    messages: list[dict[str, str]] = [{"role": "user", "content": "x" * history_bytes}]
+    for j in range(k):
+        messages += [{"role": "user", "content": f"call {session}#{j}"}, {"role": "assistant", "content": "ok"}]
+    messages.append({"role": "user", "content": f"call {session}#{k}"})
+    return {"model": "m", "messages": messages, **extra}
+
+
+def session_call(prefix: str, k: int, calls: int) -> tuple[str, str, int]:
+    """(session, call, index in its session) of a client's ``k``-th call."""
+    session = f"{prefix}-{k // calls}"
+    return session, f"{session}#{k % calls}", k % calls
+
+
 # ---- 1. kill -9 under load ---------------------------------------------------------------------------------
 
 
@@ -148,16 +198,16 @@ def kill_round(cfg: Config, tmp: Path, n: int) -> dict[str, Any]:
         with httpx.Client(timeout=30) as c:
             k = 0
             while not stop_event.is_set():
-                session = f"kill{n}-{i}-{k}"
+                session, call, j = session_call(f"kill{n}-{i}", k, CALLS_PER_SESSION)
                 k += 1
                 try:
-                    body = _body(2000, stream=True, bench_chunks=50, bench_delay_s=0.01)
+                    body = agent_body(session, j, 2000, stream=True, bench_chunks=50, bench_delay_s=0.01)
                     with c.stream(
                         "POST", proxy.url + CHAT, json=body, headers={"authorization": f"Bearer {session}"}
                     ) as r:
                         data = b"".join(r.iter_raw())
                     if r.status_code == 200 and data.rstrip().endswith(b"data: [DONE]"):
-                        finished.append((session, time.monotonic()))
+                        finished.append((call, time.monotonic()))
                 except httpx.HTTPError:
                     return  # the proxy is gone
 
@@ -171,8 +221,8 @@ def kill_round(cfg: Config, tmp: Path, n: int) -> dict[str, Any]:
         f.result()
     pool.shutdown()
     proxy.close()
-    records, torn = read_records(proxy.captures)
-    on_disk = {r["session_id"] for r in records}
+    found = read_records(proxy.captures)
+    on_disk = found.calls()
     done = [(s, t) for s, t in finished if t <= t_kill]
     early = [s for s, t in done if t < t_kill - 0.010]
     late = [s for s, t in done if t >= t_kill - 0.010]
@@ -181,8 +231,10 @@ def kill_round(cfg: Config, tmp: Path, n: int) -> dict[str, Any]:
         "lost_finished_over_10ms_before": sum(s not in on_disk for s in early),
         "lost_finished_within_10ms": sum(s not in on_disk for s in late),
         "finished_within_10ms": len(late),
-        "records": len(records),
-        "torn_lines": torn,
+        "records": len(found.records),
+        "deltas": found.deltas,
+        "torn_lines": found.torn,
+        "unresolved": found.unresolved,
     }
 
 
@@ -190,8 +242,8 @@ def kill_round(cfg: Config, tmp: Path, n: int) -> dict[str, Any]:
 
 
 class Clients:
-    def __init__(self, url: str, n: int, prefix: str) -> None:
-        self.url, self.prefix = url, prefix
+    def __init__(self, url: str, n: int, prefix: str, calls: int = CALLS_PER_SESSION) -> None:
+        self.url, self.prefix, self.calls = url, prefix, calls
         self.answers: list[tuple[str, int | None, float]] = []
         self.stop = threading.Event()
         self.pool = ThreadPoolExecutor(n)
@@ -201,14 +253,15 @@ class Clients:
         with httpx.Client(timeout=60) as c:
             k = 0
             while not self.stop.is_set():
-                session = f"{self.prefix}{i}-{k}"
+                session, call, j = session_call(f"{self.prefix}{i}", k, self.calls)
                 k += 1
                 try:
-                    r = c.post(self.url + CHAT, json=_body(20_000), headers={"authorization": f"Bearer {session}"})
+                    body = agent_body(session, j, 20_000)
+                    r = c.post(self.url + CHAT, json=body, headers={"authorization": f"Bearer {session}"})
                     status: int | None = r.status_code
                 except httpx.HTTPError:
                     status = None
-                self.answers.append((session, status, time.monotonic()))
+                self.answers.append((call, status, time.monotonic()))
                 if status is None:
                     time.sleep(0.05)
 
@@ -260,8 +313,8 @@ def disk_full(cfg: Config, tmp: Path) -> dict[str, Any]:
         finally:
             clients.close()
         wait_for(lambda: health(proxy.port)["backlog_bytes"] == 0, "the backlog to drain")
-        records, torn = read_records(proxy.captures)
-        on_disk = {r["session_id"] for r in records}
+        found = read_records(proxy.captures)
+        on_disk = found.calls()
         answered = {s for s, st, _ in clients.answers if st == 200}
         refused = {s for s, st, _ in clients.answers if st == 503}
         result: dict[str, Any] = {
@@ -276,11 +329,12 @@ def disk_full(cfg: Config, tmp: Path) -> dict[str, Any]:
             "answered": len(answered),
             "answered_without_record": len(answered - on_disk),
             "refused_with_record": len(refused & on_disk),
-            "torn_lines": torn,
+            "torn_lines": found.torn,
+            "unresolved": found.unresolved,
         }
 
-        # Full again, then SIGTERM before space returns.
-        clients = Clients(proxy.url, cfg.disk_clients, "stop")
+        # Full again, then SIGTERM before space returns. One call a session: the log names a lost record's session.
+        clients = Clients(proxy.url, cfg.disk_clients, "stop", calls=1)
         try:
             time.sleep(1.0)
             set_file_limit(proxy.pid, capture.stat().st_size)
@@ -293,14 +347,15 @@ def disk_full(cfg: Config, tmp: Path) -> dict[str, Any]:
         finally:
             clients.close()
         named = set(re.findall(r"NOT WRITTEN: record \w+ \(session ([\w.-]+),", proxy.log.read_text(errors="replace")))
-        records, torn = read_records(proxy.captures)
-        on_disk = {r["session_id"] for r in records}
-        answered = {s for s, st, _ in clients.answers if st == 200}
+        found = read_records(proxy.captures)
+        on_disk = {r["session_id"] for r in found.records}
+        answered = {s.partition("#")[0] for s, st, _ in clients.answers if st == 200}
         result |= {
             "shutdown_s": round(t_exit - t_term, 2),
             "shutdown_named_not_written": len(named),
             "shutdown_silently_lost": len(answered - on_disk - named),
-            "shutdown_torn_lines": torn,
+            "shutdown_torn_lines": found.torn,
+            "shutdown_unresolved": found.unresolved,
         }
         return result
     finally:
@@ -358,17 +413,18 @@ def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         (f"kill -9 under {result['config']['streams']} streams: streams finished before the kill", str(total["finished"])),
         ("  of them lost (finished > 10 ms before the kill)", str(total["lost_finished_over_10ms_before"])),
         ("  of them lost (finished within 10 ms of the kill)", f"{total['lost_finished_within_10ms']} of {total['finished_within_10ms']}"),
-        ("  torn lines", str(total["torn_lines"])),
+        ("  torn lines / records on disk whose base record is not (v2)", f"{total['torn_lines']} / {total['unresolved']}"),
+        ("  records on disk / read on their base record (v2)", f"{total['records']} / {total['deltas']}"),
         (f"full disk, {d['clients']} clients: addon refuses after (s)", f"{d['noticed_s']:.2f}"),
         ("  writes again after space returns (s)", f"{d['writable_after_free_s']:.2f}"),
         ("  first 200 after space returns (s)", f"{d['first_200_after_free_s']:.2f}"),
         ("  calls answered per s, before / after", f"{d['answered_per_s_before']:.1f} / {d['answered_per_s_after']:.1f}"),
         ("  calls refused (503) / refusals recorded", f"{d['refused']} / {d['refused_with_record']}"),
         ("  calls answered 200 without a record", f"{d['answered_without_record']} of {d['answered']}"),
-        ("  torn lines", str(d["torn_lines"])),
+        ("  torn lines / records on disk whose base record is not (v2)", f"{d['torn_lines']} / {d['unresolved']}"),
         ("SIGTERM while full: time to exit (s)", f"{d['shutdown_s']:.2f}"),
         ("  records named as not written / lost silently", f"{d['shutdown_named_not_written']} / {d['shutdown_silently_lost']}"),
-        ("  torn lines", str(d["shutdown_torn_lines"])),
+        ("  torn lines / records on disk whose base record is not (v2)", f"{d['shutdown_torn_lines']} / {d['shutdown_unresolved']}"),
         (f"{result['config']['body_mb']} MB bodies: peak RSS per MB of body, bare / addon", f"{bare['peak_per_body_mb']:.2f} / {addon['peak_per_body_mb']:.2f}"),
         ("  addon's own cost: peak RSS per MB of body, addon - bare", f"{addon['peak_per_body_mb'] - bare['peak_per_body_mb']:.2f}"),
         ("  RSS left per MB of body after, bare / addon", f"{bare['left_per_body_mb']:.2f} / {addon['left_per_body_mb']:.2f}"),
@@ -409,10 +465,16 @@ def main(cfg: Config) -> int:
             f"{platform.machine()} with {cpus} CPUs shared by clients, upstream and proxy; Python {platform.python_version()}, "
             f"mitmproxy {version('mitmproxy')}."
         ),
-        f"kill -9: {cfg.kill_rounds} rounds, {cfg.streams} clients streaming 50-chunk answers (10 ms apart) one after another.",
+        (
+            f"kill -9: {cfg.kill_rounds} rounds, {cfg.streams} clients streaming 50-chunk answers (10 ms apart) one after "
+            f"another. The clients are agents: sessions of {CALLS_PER_SESSION} calls, each resending the session's "
+            "history, so capture v2's records refer to the session's previous one; a call counts as recorded when a "
+            "record of it reads back (v2 expanded; one whose base record is not on disk does not)."
+        ),
         (
             f"Full disk: mitmdump's RLIMIT_FSIZE set to the capture file's size for {cfg.full_s:.0f} s under {cfg.disk_clients} "
-            "clients sending 20 KB calls; writes fail with EFBIG as they would with ENOSPC. 'Answered per s after' covers 10 s "
+            f"clients sending 20 KB calls (sessions of {CALLS_PER_SESSION}; the SIGTERM phase one call a session, as "
+            "the log names a lost record's session); writes fail with EFBIG as they would with ENOSPC. 'Answered per s after' covers 10 s "
             "from the moment space returned."
         ),
         (
