@@ -3,7 +3,7 @@
 Run:  make bench
   or  .venv/bin/python -m tests.bench.proxy [--quick] [--out tests/bench/results/proxy.md]
 
-Starts the fake vLLM upstream (``tests/bench/upstream.py``) and three reverse proxies on loopback:
+Starts the fake vLLM upstream (``tests/bench/upstream.py``) and reverse proxies on loopback:
   mitmdump --mode reverse:http://127.0.0.1:UP --listen-host 127.0.0.1 -p P1 -q
   mitmdump ... -p P2 -q -s <tmp>/stream_sse.py      (streaming on: event streams pass chunk by chunk)
   mitmdump ... -p P3 -q -s addon/polar.py --set polar_dir=<tmp> --set polar_upstream=vllm
@@ -16,6 +16,9 @@ with its own last turn. Bare mitmdump buffers a stream and sends it whole; the a
 which costs more per stream, so the streams' CPU target compares the addon with mitmdump with
 streaming on (a six-line script that sets ``flow.response.stream`` for event streams, as the addon
 does; ``stream_large_bodies`` would stream the requests too), which runs the stream workload only.
+Two more paths split the addon's CPU per request: mitmdump with a script that has the addon's per-call hooks,
+each empty (what mitmproxy itself costs to host them), and the addon with its records dropped where the hooks hand
+them to the writer thread (``unrecorded``: the addon's request handling; addon - unrecorded is recording).
 Then, through
 the same mitmdump + addon, the translation phase (``tests/bench/translate.py``): the same ~2 KB
 agent turn as Chat Completions (the plain path), Anthropic Messages, OpenAI Responses and Google
@@ -76,12 +79,13 @@ MAX_ERRORS = 20  # a path that fails this often is dropped for the rest of the r
 WORKLOADS = ("latency", "stream", "concurrent")
 # What would close a target that misses, as measured on a 2-core box (issue 17).
 _CPU_GAP = (
-    "what is left is Python per call, in thirds: mitmproxy dispatching a script's hooks and the addon's header and "
-    "session handling; reading the body's top-level fields (addon/resent.py; the repeated history is not parsed); "
-    "the record itself (hooks on the answer, the writer thread encoding and writing ~100 KB per call). Closing it "
-    "takes less Python per call than stdlib JSON and mitmproxy's header API allow: e.g. a compiled JSON checker "
-    "(the addon imports the stdlib only), or records that refer to the session's previous request instead of "
-    "repeating its history (a format change)."
+    "mitmproxy's own cost of hosting the addon's per-call hooks is at the noise (the hooks - bare row: the same hooks, "
+    "empty); what is left is the addon's own Python, split by the rows below it: its request hook (session and header "
+    "handling, the top-level JSON check of what differs from the session's last body in addon/resent.py, splicing "
+    "the token fields in, the output cap check) and recording (the writer thread builds the record, finds what it "
+    "shares with the session's previous one, compresses it and writes it). Closing it takes less Python per call "
+    "than the standard library's JSON and zlib leave room for: a compiled JSON checker and record encoder (the addon "
+    "imports the standard library only)."
 )
 CLOSE_IT = {
     "addon / bare, proxy CPU per request": _CPU_GAP,
@@ -97,6 +101,39 @@ CLOSE_IT = {
         "passing a ~100 KB request through mitmproxy costs more than 5 ms here, whatever the addon does."
     ),
 }
+LIFECYCLE_HOOKS = frozenset(("load", "configure", "running", "done", "update"))  # once a run, not once a call
+
+
+def hooks_script() -> str:
+    """A script with the addon's per-call hooks (``addon/polar.py``'s addons, as loaded), each doing nothing: what
+    mitmproxy itself costs per call to host them, the addon's own work left out."""
+    import mitmproxy.proxy.layers  # noqa: F401 - registers the hooks of every layer in hooks.all_hooks
+    from mitmproxy import hooks
+
+    from addon import polar
+
+    classes, names = [], []
+    for i, addon in enumerate(polar.addons):
+        defined = sorted(n for n in hooks.all_hooks if n not in LIFECYCLE_HOOKS and callable(getattr(addon, n, None)))
+        body = "".join(f"    def {name}(self, data):\n        pass\n\n" for name in defined) or "    pass\n"
+        classes.append(f"class Hooks{i}:  # {type(addon).__name__}: {', '.join(defined)}\n{body}")
+        names.append(f"Hooks{i}()")
+    return "\n".join(classes) + f"\naddons = [{', '.join(names)}]\n"
+
+
+# The addon with its records dropped where the hooks hand them to the writer thread: addon - unrecorded is what
+# recording costs (building, encoding and writing the line), unrecorded - hooks the addon's request handling.
+UNRECORDED_SCRIPT = """\
+import sys
+sys.path.insert(0, {root!r})
+from addon import polar
+from addon.writer import CaptureWriter
+
+CaptureWriter.submit = lambda self, exchange: None
+addons = polar.addons
+"""
+
+
 # The fair baseline for streams: mitmdump streaming event streams as the addon does, recording nothing.
 STREAM_SSE_SCRIPT = """\
 class StreamEventStreams:
@@ -396,7 +433,15 @@ def start_paths(cfg: Config, plan: Plan, tmp: Path, polar_dir: Path, targets: li
     addon_args += ["--set", f"polar_format={cfg.polar_format}"]
     stream_script = tmp / "stream_sse.py"
     stream_script.write_text(STREAM_SSE_SCRIPT)
-    for name, extra in (("mitmdump", []), ("streaming", ["-s", str(stream_script)]), ("addon", addon_args)):
+    hooks = tmp / "hooks_only.py"
+    hooks.write_text(hooks_script())
+    unrecorded = tmp / "unrecorded.py"
+    unrecorded.write_text(UNRECORDED_SCRIPT.format(root=str(ROOT)))
+    unrecorded_args = ["-s", str(unrecorded), "--set", f"polar_dir={tmp / 'captures-unrecorded'}"]
+    unrecorded_args += ["--set", "polar_upstream=vllm", "--set", f"polar_format={cfg.polar_format}"]
+    paths: list[tuple[str, list[str]]] = [("mitmdump", []), ("streaming", ["-s", str(stream_script)])]
+    paths += [("hooks", ["-s", str(hooks)]), ("unrecorded", unrecorded_args), ("addon", addon_args)]
+    for name, extra in paths:
         log = tmp / f"{name}.log"
         try:
             if name == "addon" and not addon.is_file():

@@ -20,12 +20,16 @@ __all__ = ["METRICS", "PATHS", "console_tables", "evaluate", "markdown", "percen
 
 # "streaming" is mitmdump with streaming on and nothing recorded: the fair baseline for streams, which bare
 # mitmdump buffers whole (the addon streams them, chunk by chunk).
+# "hooks" is mitmdump with a script that has the addon's per-call hooks, each doing nothing: what mitmproxy itself
+# costs per call to host them, so that addon - hooks is the addon's own work.
 PATHS = {
     "direct": "direct",
     "mitmdump": "bare mitmdump",
     "streaming": "mitmdump, streaming on",
+    "hooks": "mitmdump + empty hooks",
     "addon": "mitmdump + addon",
 }
+OPTIONAL_PATHS = ("streaming", "hooks")  # shown when measured
 
 # (key in a summary, label, unit, decimals)
 METRICS = [
@@ -82,7 +86,7 @@ def _diff(a: float | None, b: float | None) -> float | None:
 
 def evaluate(stats: dict[str, dict[str, float | None]], concurrency: int) -> list[dict[str, object]]:
     """The targets with their measured value and PASS / MISS ("n/a" when a path has no data)."""
-    d, b, s, a = (stats.get(k, {}) for k in ("direct", "mitmdump", "streaming", "addon"))
+    d, b, s, h, u, a = (stats.get(k, {}) for k in ("direct", "mitmdump", "streaming", "hooks", "unrecorded", "addon"))
     fb_a, fb_d = a.get("first_byte_median_ms"), d.get("first_byte_median_ms")
     rows: list[tuple[str, float | None, str | None, float, str]] = [
         (
@@ -121,6 +125,21 @@ def evaluate(stats: dict[str, dict[str, float | None]], concurrency: int) -> lis
             0,
             "ms",
         ),
+        # Where the CPU per request goes: mitmproxy hosting the addon's hooks, the addon's request handling, recording.
+        *(
+            (
+                f"{num} - {den}, proxy CPU per request",
+                _diff(x.get("cpu_ms_latency"), y.get("cpu_ms_latency")),
+                None,
+                0,
+                "ms",
+            )
+            for num, x, den, y in (
+                ("hooks", h, "bare", b),
+                ("unrecorded", u, "hooks", h),
+                ("addon", a, "unrecorded", u),
+            )
+        ),
         ("addon / bare, req/s at concurrency 1", _ratio(a.get("rps_c1"), b.get("rps_c1")), ">=", 0.90, "x"),
         (
             f"addon / bare, req/s at concurrency {concurrency}",
@@ -157,13 +176,18 @@ def _fmt_value(row: dict[str, object]) -> str:
 # (numerator, denominator, heading) of the ratio columns
 _RATIOS = [("mitmdump", "direct", "bare / direct"), ("addon", "mitmdump", "addon / bare")]
 _STREAMING_RATIO = ("addon", "streaming", "addon / streaming on")
+_HOOKS_RATIOS = [("hooks", "mitmdump", "empty hooks / bare"), ("addon", "hooks", "addon / empty hooks")]
 
 
 def _columns(stats: dict[str, dict[str, float | None]]) -> tuple[list[str], list[tuple[str, str, str]]]:
-    """The paths and ratio columns of the metrics table; the streaming baseline's only when it was measured."""
-    if "streaming" in stats:
-        return list(PATHS), [*_RATIOS, _STREAMING_RATIO]
-    return [p for p in PATHS if p != "streaming"], _RATIOS
+    """The paths and ratio columns of the metrics table; the optional paths' only when they were measured."""
+    paths = [p for p in PATHS if p not in OPTIONAL_PATHS or p in stats]
+    ratios = [
+        *_RATIOS,
+        *([_STREAMING_RATIO] if "streaming" in stats else []),
+        *(_HOOKS_RATIOS if "hooks" in stats else []),
+    ]
+    return paths, ratios
 
 
 def _metric_rows(stats: dict[str, dict[str, float | None]], concurrency: int) -> list[list[str]]:
