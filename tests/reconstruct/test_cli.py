@@ -13,6 +13,7 @@ from eval.procs import ROOT
 from reconstruct import reconstruct, schema
 from reconstruct.__main__ import _generic_tokenizer, main
 from tests.addon.test_record_v2 import decode, session
+from tests.reconstruct.test_v2_streams import calls, read
 
 
 @pytest.mark.slow
@@ -114,6 +115,11 @@ def test_issue27_expand_writes_the_v1_capture_of_the_same_calls_byte_for_byte(tm
     )
     _, stats = reconstruct([tmp_path / "torn"])  # the reader counts the same, as a cause of lost calls
     assert (stats.corrupt_lines, stats.unresolved_records) == (1, 12)
+    # s1's 16th record, full, is read from its own copy of what it keeps (zf), its base being lost: the reader
+    # gets the same calls as from the v1 lines of the records that are left.
+    assert "zf" in json.loads(lines[32]) and json.loads(lines[32])["session_id"] == "s1"
+    read_back = calls(read(tmp_path / "torn" / v2.name))
+    assert len(read_back) == 40 - 13 and read_back == calls(read(tmp_path / "out2" / v2.name))
     assert main(["expand", str(tmp_path / "v2"), "-o", str(tmp_path / "v2")]) == 2  # never over the captures
 
 
