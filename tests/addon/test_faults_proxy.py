@@ -220,9 +220,9 @@ def test_a_full_disk_under_8_clients_recovers_and_shutdown_while_full_names_what
         refused = {sess for sess, s, _ in clients.answers if s == 503}
         assert refused and answered and None not in {s for _, s, _ in clients.answers}
         wait_for(lambda: health(mitm.url)["backlog_bytes"] == 0, "the backlog to drain")
-        got, torn = read_records(captures)
-        recorded = {r["session_id"] for r in got}
-        assert torn == 0
+        found = read_records(captures)
+        recorded = {r["session_id"] for r in found.records}
+        assert found.torn == found.unresolved == 0
         assert answered <= recorded  # no call answered 200 went unrecorded
         assert not (refused & recorded)  # refusals are counted, not recorded with their bodies
         assert health(mitm.url)["refused"] == len(refused)
@@ -241,10 +241,10 @@ def test_a_full_disk_under_8_clients_recovers_and_shutdown_while_full_names_what
         mitm.stop()
     log = mitm.output()
     lost = set(re.findall(r"NOT WRITTEN: record \w+ \(session ([\w.-]+),", log))
-    got, torn = read_records(captures)
-    recorded = {r["session_id"] for r in got}
+    found = read_records(captures)
+    recorded = {r["session_id"] for r in found.records}
     answered = {sess for sess, s, _ in clients.answers if s == 200}
-    assert torn == 0  # the short write at the limit was cut back
+    assert found.torn == found.unresolved == 0  # the short write at the limit was cut back
     assert lost and answered <= recorded | lost  # every call answered 200 is on disk or named in the log
     assert not (lost & recorded)
 
@@ -272,9 +272,10 @@ def test_deep_json_and_secrets_over_the_wire(upstream, tmp_path):
             body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
             assert http.post(f"{mitm.url}{path}", json=body, headers=headers).status_code == 200
         wait_for(lambda: check_proxy(mitm.url)["records_written"] == 4, "the records")
-    got, torn = read_records(tmp_path / "captures")
+    found = read_records(tmp_path / "captures")
+    got = found.records
     deep_record = next(r for r in got if r["session_id"] == "sess-deep")
-    assert deep_record["error"]["kind"] == "request" and deep_record["status"] == 400 and torn == 0
+    assert deep_record["error"]["kind"] == "request" and deep_record["status"] == 400 and found.torn == 0
     assert sorted(r["session_source"] for r in got) == ["api_key", "key_hash", "key_hash", "key_hash"]
     for path in (tmp_path / "captures").rglob("*"):
         assert secret.encode() not in path.read_bytes(), path
