@@ -191,7 +191,7 @@ class Encoder:
         packed += z.flush()
         head = {"v": FORMAT_VERSION, **{k: record.head[k] for k in HEAD_KEYS}}
         head |= {
-            "base": last.id if last else None,
+            "base": last.id if last is not None and (kept is not None or not full) else None,
             "request_keep": keep,
             "upstream_keep": up_keep,
             "prompt_keep": prompt_keep,
@@ -200,8 +200,6 @@ class Encoder:
         }
         if kept is not None:
             head["zf"] = base64.b64encode(kept).decode("ascii")
-        elif full:
-            head["base"] = None
         line = (json.dumps(head, ensure_ascii=False).encode("utf-8")[:-1],)
         since = 0 if full or last is None else last.since_full + 1
         self._remember(session, _Last(record.head["id"], record.request, record.upstream_request, prompt_ids, since))
