@@ -414,7 +414,6 @@ def main(cfg: Config) -> None:
     runtime.save_adapter(accelerator, policy, cfg.output, cfg)
     log.close()
     print0(f"adapter written to {cfg.output}")
-    accelerator.end_training()
 
 
 def save_untrained(accelerator: Accelerator, cfg: Config, row: dict[str, Any]) -> None:
@@ -427,7 +426,6 @@ def save_untrained(accelerator: Accelerator, cfg: Config, row: dict[str, Any]) -
         log.close()
     runtime.save_adapter(accelerator, policy, cfg.output, cfg)
     accelerator.print(f"adapter written to {cfg.output} (untrained)")
-    accelerator.end_training()
 
 
 if __name__ == "__main__":

@@ -310,7 +310,6 @@ def main(cfg: Config) -> None:
     runtime.save_adapter(accelerator, policy, cfg.output, cfg)
     log.close()
     print0(f"adapter written to {cfg.output}")
-    accelerator.end_training()
 
 
 if __name__ == "__main__":

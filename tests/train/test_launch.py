@@ -13,10 +13,11 @@ import pytest
 import safetensors.torch
 import torch
 
+from eval.procs import stop_tree
 from tests.train.helpers import groups, write
 
 ROOT = Path(__file__).resolve().parents[2]
-LAUNCH_TIMEOUT = 600  # a hang in a collective fails here; a busy 2-core box needs far less than this
+LAUNCH_TIMEOUT = 300  # a hang in a collective fails here; a busy 2-core box needs far less than this (~10 s)
 
 
 def launch(config: str, processes: int, script: str, args: list[str], output: Path) -> str:
@@ -25,10 +26,16 @@ def launch(config: str, processes: int, script: str, args: list[str], output: Pa
     cmd += ["--num_processes", str(processes), "--num_cpu_threads_per_process", "1", "--mixed_precision", "no"]
     cmd += ["--main_process_port", "0", script, *args, "--output", str(output)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert f"on {processes} process(es)" in run.stdout
-    return run.stdout
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as run:
+        try:
+            stdout, stderr = run.communicate(timeout=LAUNCH_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            stop_tree(run)  # the ranks too (torchrun starts them in sessions of their own), or they outlive the test
+            stdout, stderr = run.communicate()
+            pytest.fail(f"accelerate launch of {script} with {config} hung for {LAUNCH_TIMEOUT} s:\n{stderr[-3000:]}")
+    assert run.returncode == 0, stderr[-3000:]
+    assert f"on {processes} process(es)" in stdout
+    return stdout
 
 
 def assert_same_adapter(one: Path, other: Path) -> None:
@@ -44,6 +51,7 @@ def steps_logged(output: Path) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3 * LAUNCH_TIMEOUT + 60)
 def test_grpo_over_two_processes_with_ddp_and_fsdp_equals_one(tmp_path, tiny_model_dir):
     # 1 group per step (4, 3 and 2 sessions) over 2 processes: one rank runs a padding pass in some steps.
     rows = groups({"a": [1, 0, 0, 1], "b": [0, 1, 0.5], "c": [1, 0]}, traces=2)
@@ -58,6 +66,7 @@ def test_grpo_over_two_processes_with_ddp_and_fsdp_equals_one(tmp_path, tiny_mod
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT + 60)
 def test_sft_over_two_processes_equals_one_when_a_rank_has_no_trace_at_all(tmp_path, tiny_model_dir):
     # One trace per session and one session per step: the second rank gets no trace in any step.
     rows = groups({"a": [1, 1]}, prompt_len=8, response_len=8)
