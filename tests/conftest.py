@@ -10,7 +10,7 @@ import pytest
 from filelock import FileLock
 
 from eval.procs import ReferenceServer
-from eval.upstream.models import build_tiny
+from eval.upstream.models import build_tiny, build_tiny_qwen35
 
 # make test hands whole files to its two workers (--dist loadfile) in collection order (--no-loadscope-reorder in
 # pyproject.toml; xdist's default hands out the files with the most tests first, which left the minutes-long
@@ -84,6 +84,11 @@ def run_once(
 @pytest.fixture(scope="session")
 def tiny_model_dir(run_once) -> Path:
     return run_once("tiny", build_tiny)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35_dir(run_once) -> Path:
+    return run_once("tiny-qwen3.5", build_tiny_qwen35)
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,12 @@ steps, ``pack`` fills micro-batches up to a token budget (several traces in one 
 tells them apart by their restarting position ids), ``balance`` hands micro-batches to ranks so that every rank
 runs the same number of forward/backward passes, and ``collate`` builds the tensors of one micro-batch.
 
+Packing in one row is right only for models whose every layer is attention: a mask (or restarting positions) keeps
+traces apart there, but nothing keeps a recurrent state or a convolution (Qwen3.5's Gated DeltaNet layers) from
+carrying one trace into the next. For those, ``padded=True`` gives one trace per row, right-padded (a causal layer
+never reads the padding after a token), as many rows as fit the same token budget counting the padding
+(``pad_bins``, ``collate_padded``). The policy (train/policy.py) says which a model needs.
+
 With ``share_prefix``, traces that begin with the same tokens (the samples of one task start from one prompt)
 are packed as one *family*: the shared prefix once, then each trace's own tail, which attends to the prefix and
 to itself only (``MicroBatch.family``/``member`` give the mask, ``attention_mask`` builds it). The log-probs are
@@ -34,10 +40,12 @@ __all__ = [
     "attention_mask",
     "balance",
     "collate",
+    "collate_padded",
     "families",
     "load",
     "make_traces",
     "pack",
+    "pad_bins",
     "plan_steps",
     "rank_micro_batches",
     "trajectory_files",
@@ -77,11 +85,12 @@ class Trace:
 
 @dataclasses.dataclass
 class MicroBatch:
-    """Packed traces of one forward pass. T tokens in one row; N of them trained."""
+    """The traces of one forward pass: packed, B = 1 row of T tokens, or padded, B rows of one trace each, right-
+    padded to T. N tokens are trained."""
 
-    input_ids: torch.Tensor  # (1, T)
-    position_ids: torch.Tensor  # (1, T): restart at 0 at each trace
-    sel: torch.Tensor  # (N,) positions whose *next* token is trained
+    input_ids: torch.Tensor  # (B, T)
+    position_ids: torch.Tensor  # (B, T): restart at 0 at each trace (padding continues its row's count)
+    sel: torch.Tensor  # (N,) positions, in the flattened (B * T) rows, whose *next* token is trained
     targets: torch.Tensor  # (N,) those next tokens
     adv: torch.Tensor  # (N,) advantage of the token's session
     weight: torch.Tensor  # (N,) the token's weight in the step's loss (sums to the loss normaliser)
@@ -317,6 +326,23 @@ def pack(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return bins
 
 
+def pad_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Indices of ``lengths`` grouped into micro-batches of one item a row, each costing its row count times its
+    longest row (the padded size) of at most ``budget`` tokens: first fit, longest first, so rows of a micro-batch
+    have similar lengths and little padding."""
+    bins: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if lengths[i] > budget:
+            raise ValueError(f"item {i} has {lengths[i]} tokens, over the budget of {budget}")
+        # longest first: a bin's first item is its longest, so it fixes the padded row length
+        j = next((j for j, b in enumerate(bins) if (len(b) + 1) * lengths[b[0]] <= budget), None)
+        if j is None:
+            bins.append([i])
+        else:
+            bins[j].append(i)
+    return bins
+
+
 def balance(bin_tokens: Sequence[int], world: int) -> list[list[int | None]]:
     """Bins dealt to ``world`` ranks, largest first to the least-loaded rank. Every rank gets the same count:
     the short ones are padded with None (a pass that trains nothing), so collective calls line up across ranks."""
@@ -365,11 +391,15 @@ def rank_micro_batches(
     rank: int,
     world: int,
     share_prefix: bool = False,
+    padded: bool = False,
 ) -> list[MicroBatch]:
     """This rank's micro-batches of one optimizer step (the same count on every rank): the step's traces packed
     into ``budget``-token rows, dealt over ``world`` ranks. ``aggregate`` (a loss variant, losses.AGGREGATIONS)
     weighs each trace's tokens from its session and trained-token count (``norm_tokens``: dr_grpo's constant).
-    ``share_prefix`` packs families of traces that begin alike, each shared prefix once (see the module doc)."""
+    ``share_prefix`` packs families of traces that begin alike, each shared prefix once (see the module doc);
+    ``padded`` puts one trace in a row instead, up to ``budget`` tokens a micro-batch with the padding."""
+    if share_prefix and padded:
+        raise ValueError("share_prefix packs traces into one row; padded rows hold one trace each")
     sessions = np.array([t.session for t in step_traces])  # (M,)
     n_trained = np.array([len(t.trained) for t in step_traces])  # (M,)
     weights = aggregate(sessions, n_trained, norm_tokens)  # (M,) per-token loss weight of each trace
@@ -387,11 +417,14 @@ def rank_micro_batches(
             else collate([], [])
             for b in dealt
         ]
-    bins = pack([len(t.tokens) for t in step_traces], budget)
-    dealt = balance([sum(len(step_traces[i].tokens) for i in b) for b in bins], world)[rank]
+    lengths = [len(t.tokens) for t in step_traces]
+    bins = pad_bins(lengths, budget) if padded else pack(lengths, budget)
+    batch = collate_padded if padded else collate
+    # Ranks are balanced by the tokens their passes compute, padding included.
+    cost = [len(b) * max(lengths[i] for i in b) if padded else sum(lengths[i] for i in b) for b in bins]
+    dealt = balance(cost, world)[rank]
     return [
-        collate([step_traces[i] for i in bins[b]], weights[bins[b]]) if b is not None else collate([], [])
-        for b in dealt
+        batch([step_traces[i] for i in bins[b]], weights[bins[b]]) if b is not None else collate([], []) for b in dealt
     ]
 
 
@@ -415,6 +448,28 @@ def collate(traces: Sequence[Trace], weights: Sequence[float] | np.ndarray) -> M
         position_ids=torch.from_numpy(positions)[None],  # (1, T)
         sel=torch.from_numpy(sel),  # (N,)
         targets=torch.from_numpy(tokens[sel + 1]),  # (N,)
+        adv=torch.from_numpy(np.repeat([t.adv for t in traces], n)).float(),  # (N,)
+        weight=torch.from_numpy(np.repeat(np.asarray(weights, dtype=np.float64), n)).float(),  # (N,)
+        behav_logp=torch.from_numpy(np.concatenate([t.behav_logp for t in traces])).float(),  # (N,)
+        session=torch.from_numpy(np.repeat([t.session for t in traces], n)),  # (N,)
+    )
+
+
+def collate_padded(traces: Sequence[Trace], weights: Sequence[float] | np.ndarray) -> MicroBatch:
+    """One trace a row, right-padded to the longest (pad id 0, positions counting on): a causal layer, attention
+    or recurrent, computes a token from the tokens before it only, so the padding after it changes nothing and
+    needs no mask. ``sel`` indexes the flattened rows."""
+    width = max(len(t.tokens) for t in traces)
+    tokens = np.zeros((len(traces), width), dtype=np.int64)  # (B, T)
+    for r, t in enumerate(traces):
+        tokens[r, : len(t.tokens)] = t.tokens
+    sel = np.concatenate([t.trained + r * width for r, t in enumerate(traces)])  # (N,)
+    n = [len(t.trained) for t in traces]
+    return MicroBatch(
+        input_ids=torch.from_numpy(tokens),  # (B, T)
+        position_ids=torch.arange(width).expand(len(traces), width).clone(),  # (B, T)
+        sel=torch.from_numpy(sel),  # (N,)
+        targets=torch.from_numpy(tokens.reshape(-1)[sel + 1]),  # (N,) the next token of a row is in the same row
         adv=torch.from_numpy(np.repeat([t.adv for t in traces], n)).float(),  # (N,)
         weight=torch.from_numpy(np.repeat(np.asarray(weights, dtype=np.float64), n)).float(),  # (N,)
         behav_logp=torch.from_numpy(np.concatenate([t.behav_logp for t in traces])).float(),  # (N,)
