@@ -51,7 +51,7 @@ from accelerate import Accelerator
 
 from train import data, losses, runtime
 from train.data import DataError, MicroBatch, Trace
-from train.policy import check_policy_config, check_vocabulary, load_policy
+from train.policy import Batching, check_policy_config, check_vocabulary, load_policy
 from train.runtime import TrainConfigError
 
 
@@ -219,12 +219,19 @@ def accumulate(
 
 
 def rank_micro_batches(
-    step_traces: list[Trace], cfg: Config, aggregate: losses.Aggregation, rank: int, world: int
+    step_traces: list[Trace],
+    cfg: Config,
+    aggregate: losses.Aggregation,
+    rank: int,
+    world: int,
+    batching: Batching,
 ) -> list[MicroBatch]:
-    """This rank's micro-batches of one optimizer step (same count on every rank); ``aggregate`` gives the weights."""
+    """This rank's micro-batches of one optimizer step (same count on every rank); ``aggregate`` gives the weights,
+    ``batching`` (the policy's) whether traces share a row."""
     norm_tokens = cfg.dr_grpo_tokens or cfg.max_len
+    padded = batching == "padded"
     return data.rank_micro_batches(
-        step_traces, aggregate, norm_tokens, cfg.micro_batch_tokens, rank, world, cfg.share_prefix
+        step_traces, aggregate, norm_tokens, cfg.micro_batch_tokens, rank, world, cfg.share_prefix, padded
     )
 
 
@@ -272,6 +279,8 @@ def main(cfg: Config) -> None:
     # 2. Model: base + LoRA, wrapped so that one forward gives log-probs
     policy = load_policy(cfg, accelerator.mixed_precision)
     check_vocabulary(policy, traces)
+    batching = policy.batching
+    print0(f"batching: {batching} ({policy.batching_reason})")
 
     # 3. Plan: whole task groups -> optimizer steps -> packed micro-batches per rank; optimizer, schedule
     by_session: dict[int, list[Trace]] = defaultdict(list)
@@ -297,7 +306,7 @@ def main(cfg: Config) -> None:
     )
 
     def micro_batches(p: int) -> list[MicroBatch]:
-        return rank_micro_batches([t for s in plan[p] for t in by_session[s]], cfg, aggregate, rank, world)
+        return rank_micro_batches([t for s in plan[p] for t in by_session[s]], cfg, aggregate, rank, world, batching)
 
     trainable = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)

@@ -3,12 +3,23 @@ per-token log-probs (and the loss), never the (T, V) logits; the settings it rea
 
 train/grpo.py and train/sft.py each declare these settings in their own ``Config`` (with their own defaults and
 reasons); ``PolicyConfig`` is the part of either that ``load_policy``, ``Policy`` and the packing read.
+
+How traces share a forward pass depends on the architecture, and is decided once, at load (``choose_batching``):
+
+- ``packed``: every layer is (full or sliding-window) attention, so traces packed in one row are kept apart by
+  their restarting position ids (a block-diagonal mask), and ``--share-prefix`` can share a prompt by mask.
+- ``varlen``: some layers carry a state along the row (Qwen3.5's Gated DeltaNet: a recurrent state and a causal
+  convolution) and flash-linear-attention and causal-conv1d are installed (GPU): traces are packed, and their
+  boundaries reach those kernels as ``cu_seq_lens`` and ``seq_idx``, which restart the state at each trace.
+- ``padded``: such layers without those kernels (the CPU). A mask cannot stop a recurrent state or a convolution
+  from carrying one trace into the next, so each trace gets its own row, right-padded (train/data.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,7 +32,22 @@ from train.data import DataError, Trace
 from train.logprobs import TokenLoss, fused_token_loss, token_logprobs
 from train.runtime import TrainConfigError
 
-__all__ = ["Policy", "PolicyConfig", "check_policy_config", "check_vocabulary", "load_policy"]
+__all__ = [
+    "Batching",
+    "Policy",
+    "PolicyConfig",
+    "check_policy_config",
+    "check_vocabulary",
+    "choose_batching",
+    "load_policy",
+]
+
+Batching = Literal["packed", "varlen", "padded"]
+# Layer kinds (a config's ``layer_types``) that see other tokens only through the attention mask.
+_MASKED_LAYERS = {"full_attention", "sliding_attention", "chunked_attention"}
+# Model types whose stateful layers transformers runs with varlen kernels when they are installed: the kernels read
+# ``cu_seq_lens_q`` (flash-linear-attention's chunk_gated_delta_rule) and ``seq_idx`` (causal-conv1d).
+_VARLEN_MODEL_TYPES = {"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"}
 
 
 class PolicyConfig(Protocol):
@@ -89,6 +115,7 @@ class Policy(torch.nn.Module):
     def __init__(self, peft_model: Any, cfg: PolicyConfig) -> None:
         super().__init__()
         self.peft = peft_model
+        self.batching, self.batching_reason = choose_batching(peft_model.get_base_model())
         self.chunk, self.temperature = cfg.logprob_chunk, cfg.temperature
         # FSDP wraps the layers the model says must not be split (its decoder layers).
         self._no_split_modules = list(getattr(peft_model.get_base_model(), "_no_split_modules", None) or [])
@@ -116,11 +143,12 @@ class Policy(torch.nn.Module):
         if cap := getattr(base.config, "final_logit_softcapping", None):  # Gemma-style logit soft-capping
             head = functools.partial(_softcapped, lm_head, cap)
         opts = _Chunking(chunk=self.chunk, temperature=self.temperature, with_entropy=with_entropy)
+        bounds = _trace_bounds(position_ids) if self.batching == "varlen" else {}
         with self.peft.disable_adapter() if reference else contextlib.nullcontext():
             out = base.get_decoder()(
-                input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False
+                input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False, **bounds
             )
-            hidden = out.last_hidden_state[0, sel]  # (N, H)
+            hidden = out.last_hidden_state.flatten(0, 1)[sel]  # (N, H): sel indexes the rows one after another
             if token_loss is None:
                 return *token_logprobs(hidden, targets, head, **opts), None
             if not any(p.requires_grad for p in lm_head.parameters()):  # LoRA: the output layer is frozen
@@ -128,6 +156,43 @@ class Policy(torch.nn.Module):
                 return logp, entropy, loss
             logp, entropy = token_logprobs(hidden, targets, head, **opts)  # a trained output layer: checkpointing
             return logp.detach(), entropy, token_loss(logp, slice(None)).sum()
+
+
+def _trace_bounds(position_ids: torch.Tensor) -> dict[str, Any]:
+    """The traces of a packed row (1, T), found where positions restart at 0, in the forms the varlen kernels read:
+    cumulative lengths (n + 1,) and each token's trace index (1, T)."""
+    starts = position_ids[0] == 0  # (T,)
+    cu = torch.cat([starts.nonzero()[:, 0], starts.new_tensor([starts.numel()], dtype=torch.long)]).int()  # (n + 1,)
+    longest = int((cu[1:] - cu[:-1]).max())
+    return {
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": longest,
+        "max_length_k": longest,
+        "seq_idx": (starts.cumsum(0) - 1).int()[None],  # (1, T)
+    }
+
+
+def choose_batching(model: Any) -> tuple[Batching, str]:
+    """How traces may share a forward pass of ``model`` (see the module doc), and why, from its config and modules."""
+    text = model.config.get_text_config()
+    kinds = set(getattr(text, "layer_types", None) or ()) - _MASKED_LAYERS
+    if any(isinstance(m, torch.nn.Conv1d) for m in model.get_decoder().modules()):
+        kinds.add("convolution")
+    if not kinds:
+        return "packed", "every layer is attention: traces packed in a row are kept apart by mask"
+    stateful = f"{text.model_type}'s {', '.join(sorted(kinds))} layers carry state along a row"
+    kernels = [p for p in ("fla", "causal_conv1d") if importlib.util.find_spec(p) is None]
+    if text.model_type in _VARLEN_MODEL_TYPES and torch.cuda.is_available() and not kernels:
+        return "varlen", f"{stateful}: packed, their varlen kernels restart it at each trace"
+    missing = (
+        "no CUDA device"
+        if not torch.cuda.is_available()
+        else f"{' and '.join(kernels)} not installed"
+        if kernels
+        else "no varlen kernels known for it"
+    )
+    return "padded", f"{stateful} and a mask cannot stop it ({missing}): one trace a row, right-padded"
 
 
 def _softcapped(head: torch.nn.Module, cap: float, hidden: torch.Tensor) -> torch.Tensor:
@@ -170,7 +235,13 @@ def load_policy(cfg: PolicyConfig, mixed_precision: str) -> Policy:
                 task_type="CAUSAL_LM",
             )
             peft_model = get_peft_model(base, lora)
-    return Policy(peft_model, cfg)
+    policy = Policy(peft_model, cfg)
+    if cfg.share_prefix and policy.batching != "packed":
+        raise TrainConfigError(
+            "--share-prefix shares a prompt between traces by attention mask, which cannot work here: "
+            f"{policy.batching_reason}. Train without --share-prefix"
+        )
+    return policy
 
 
 def check_vocabulary(policy: Policy, traces: Sequence[Trace]) -> None:

@@ -44,7 +44,7 @@ from accelerate import Accelerator
 
 from train import data, losses, runtime
 from train.data import DataError, MicroBatch, Trace
-from train.policy import check_policy_config, check_vocabulary, load_policy
+from train.policy import Batching, check_policy_config, check_vocabulary, load_policy
 from train.runtime import TrainConfigError
 
 
@@ -167,11 +167,17 @@ def lr_factor(step: int, total: int, warmup_steps: int, min_lr_frac: float) -> f
 
 
 def rank_micro_batches(
-    step_traces: list[Trace], aggregate: losses.Aggregation, cfg: Config, rank: int, world: int
+    step_traces: list[Trace],
+    aggregate: losses.Aggregation,
+    cfg: Config,
+    rank: int,
+    world: int,
+    batching: Batching,
 ) -> list[MicroBatch]:
     """This rank's micro-batches of one optimizer step (same count on every rank), as grpo.py packs them."""
+    padded = batching == "padded"
     return data.rank_micro_batches(
-        step_traces, aggregate, cfg.max_len, cfg.micro_batch_tokens, rank, world, cfg.share_prefix
+        step_traces, aggregate, cfg.max_len, cfg.micro_batch_tokens, rank, world, cfg.share_prefix, padded
     )  # the per-token weights sum to 1 over the step
 
 
@@ -227,6 +233,8 @@ def main(cfg: Config) -> None:
     # 2. Model: base + LoRA (fresh or --adapter), wrapped so that one forward gives log-probs and the loss
     policy = load_policy(cfg, accelerator.mixed_precision)
     check_vocabulary(policy, traces)
+    batching = policy.batching
+    print0(f"batching: {batching} ({policy.batching_reason})")
 
     # 3. Plan: sessions (reshuffled per epoch) -> optimizer steps -> packed micro-batches per rank; optimizer
     by_session: dict[int, list[Trace]] = defaultdict(list)
@@ -273,7 +281,7 @@ def main(cfg: Config) -> None:
     bad_steps = 0
     for k, (epoch, sessions) in enumerate(plan):
         t0, stats, loss = time.perf_counter(), runtime.StepStats(), 0.0
-        mbs = rank_micro_batches([t for s in sessions for t in by_session[s]], aggregate, cfg, rank, world)
+        mbs = rank_micro_batches([t for s in sessions for t in by_session[s]], aggregate, cfg, rank, world, batching)
         for mb in runtime.micro_steps(accelerator, policy, mbs):
             loss += accumulate(accelerator, policy, mb, stats)
         loss, grad_norm, finite = runtime.clip_and_reduce(accelerator, trainable, cfg.grad_clip, loss)

@@ -208,7 +208,9 @@ def grpo_runs(policy: Any, cfg: Any, sizes: Sizes, shape: dict[str, Any], device
     for name, shared in (("grpo", False), ("grpo_share_prefix", True)):
         traces = make_traces(sizes, shape["vocab_size"], shared)
         run_cfg = dataclasses.replace(cfg, share_prefix=shared)
-        mbs = grpo.rank_micro_batches(traces, run_cfg, losses.AGGREGATIONS[cfg.loss_agg], rank=0, world=1)
+        mbs = grpo.rank_micro_batches(
+            traces, run_cfg, losses.AGGREGATIONS[cfg.loss_agg], rank=0, world=1, batching="packed"
+        )
         steps[name] = step_of(mbs)
         row: dict[str, Any] = {"micro_batches": len(mbs), "computed_tokens": sum(mb.input_ids.shape[1] for mb in mbs)}
         with peak_memory(device, row):
@@ -256,7 +258,12 @@ def long_micro_batch(policy: Any, cfg: Any, shape: dict[str, Any], tokens: int, 
     sizes = Sizes(trace=tokens, prompt=tokens // 8, traces=1, micro_batch=tokens, long=())
     run_cfg = dataclasses.replace(cfg, max_len=tokens, micro_batch_tokens=tokens)
     [mb] = grpo.rank_micro_batches(
-        make_traces(sizes, shape["vocab_size"], False), run_cfg, losses.AGGREGATIONS[cfg.loss_agg], rank=0, world=1
+        make_traces(sizes, shape["vocab_size"], False),
+        run_cfg,
+        losses.AGGREGATIONS[cfg.loss_agg],
+        rank=0,
+        world=1,
+        batching="packed",
     )
     importance = lambda o, b: losses.truncated_importance(o, b, 2.0)  # noqa: E731
     accelerator = Accelerator(cpu=device.type == "cpu")

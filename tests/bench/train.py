@@ -123,7 +123,9 @@ def step_benchmark(cfg: Config, console: Console) -> dict[str, object]:
             )
             for i in range(4)
         ]
-        mbs = grpo.rank_micro_batches(traces, gcfg, losses.AGGREGATIONS[gcfg.loss_agg], rank=0, world=1)
+        mbs = grpo.rank_micro_batches(
+            traces, gcfg, losses.AGGREGATIONS[gcfg.loss_agg], rank=0, world=1, batching="packed"
+        )
         tokens = sum(mb.input_ids.shape[1] for mb in mbs)
         accelerator = Accelerator(cpu=True)
         trainable = [p for p in policy.parameters() if p.requires_grad]

@@ -119,7 +119,7 @@ def test_packed_micro_batch_log_probs_equal_each_trace_on_its_own(tmp_path, tiny
         )
         for i, t in enumerate(tokens)
     ]
-    (mb,) = grpo.rank_micro_batches(traces, cfg, losses.AGGREGATIONS[cfg.loss_agg], rank=0, world=1)
+    (mb,) = grpo.rank_micro_batches(traces, cfg, losses.AGGREGATIONS[cfg.loss_agg], rank=0, world=1, batching="packed")
     # one row, no padding; shared: [5, 9, 300] once for 0, 3 and 4 (then [5, 9, 300, 41] would save less)
     assert mb.input_ids.shape[1] == sum(len(t) for t in tokens) - (6 if share_prefix else 0)
     policy.eval()
@@ -194,7 +194,7 @@ def test_step_loss_equals_a_hand_written_reference(tmp_path, tiny_model_dir, los
     adv, usable = losses.group_advantages(rollout.reward, group, scale_by_std=True, sample_std=sample_std)
     traces, cut = data.make_traces(rollout, adv, usable, cfg.max_len)
     assert cut == {"truncated": 1, "prompt_too_long": 0, "nothing_trained": 0, "zero_std": 2}
-    mbs = grpo.rank_micro_batches(traces, cfg, losses.AGGREGATIONS[cfg.loss_agg], rank=0, world=1)
+    mbs = grpo.rank_micro_batches(traces, cfg, losses.AGGREGATIONS[cfg.loss_agg], rank=0, world=1, batching="packed")
     assert len(mbs) > 1
     packed = sum(mb.input_ids.shape[1] for mb in mbs)
     assert packed == sum(len(t.tokens) for t in traces) - (7 + 2 if share_prefix else 0)  # a-0's 7, c's 2 once

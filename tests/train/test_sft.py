@@ -103,7 +103,7 @@ def test_step_loss_is_the_nll_of_taught_tokens_by_hand(tmp_path, tiny_model_dir,
         cfg.max_len,
     )
     assert cut["truncated"] == 1
-    mbs = sft.rank_micro_batches(traces, sft.AGGREGATIONS[loss_agg], cfg, rank=0, world=1)
+    mbs = sft.rank_micro_batches(traces, sft.AGGREGATIONS[loss_agg], cfg, rank=0, world=1, batching="packed")
     assert len(mbs) > 1
     assert sum(mb.input_ids.shape[1] for mb in mbs) == sum(len(t.tokens) for t in traces) - 7 * share_prefix
     total = sum(sft.accumulate(Accelerator(), policy, mb, runtime.StepStats()) for mb in mbs)
@@ -132,7 +132,7 @@ def test_tokens_after_the_last_taught_one_change_neither_loss_nor_gradient(tmp_p
             behav_logp=np.full(2, np.nan, dtype=np.float32),
             adv=0.0,
         )  # response[:2] taught (mask 1)
-        (mb,) = sft.rank_micro_batches([t], sft.token_mean_weights, cfg, rank=0, world=1)
+        (mb,) = sft.rank_micro_batches([t], sft.token_mean_weights, cfg, rank=0, world=1, batching="packed")
         policy.zero_grad(set_to_none=True)
         loss = sft.accumulate(Accelerator(), policy, mb, runtime.StepStats())
         return loss, [p.grad.clone() for p in policy.parameters() if p.requires_grad]
