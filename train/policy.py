@@ -176,12 +176,13 @@ def _trace_bounds(position_ids: torch.Tensor) -> dict[str, Any]:
 def choose_batching(model: Any) -> tuple[Batching, str]:
     """How traces may share a forward pass of ``model`` (see the module doc), and why, from its config and modules."""
     text = model.config.get_text_config()
-    kinds = set(getattr(text, "layer_types", None) or ()) - _MASKED_LAYERS
+    kinds = sorted(set(getattr(text, "layer_types", None) or ()) - _MASKED_LAYERS)
+    parts = [f"{', '.join(kinds)} layers"] if kinds else []
     if any(isinstance(m, torch.nn.Conv1d) for m in model.get_decoder().modules()):
-        kinds.add("convolution")
-    if not kinds:
+        parts.append("convolutions")
+    if not parts:
         return "packed", "every layer is attention: traces packed in a row are kept apart by mask"
-    stateful = f"{text.model_type}'s {', '.join(sorted(kinds))} layers carry state along a row"
+    stateful = f"{text.model_type}'s {' and '.join(parts)} carry state along a row"
     kernels = [p for p in ("fla", "causal_conv1d") if importlib.util.find_spec(p) is None]
     if text.model_type in _VARLEN_MODEL_TYPES and torch.cuda.is_available() and not kernels:
         return "varlen", f"{stateful}: packed, their varlen kernels restart it at each trace"

@@ -1,0 +1,211 @@
+"""Every way the trainer can batch traces gives each trace the log-probs and the gradient it has alone, on each
+architecture family: dense attention (tiny Qwen3, tiny Llama) and hybrid linear attention (tiny Qwen3.5, whose
+Gated DeltaNet layers carry a recurrent state and a convolution along a row, so that packing by mask leaks)."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tests.train.helpers import groups, trace, write
+from train import data, grpo, losses, sft
+from train.data import Trace
+from train.policy import load_policy
+from train.runtime import TrainConfigError
+
+PEFT_WARNING = "ignore:.*is_gradient_checkpointing:FutureWarning"
+pytestmark = pytest.mark.filterwarnings(PEFT_WARNING)
+ARCHITECTURES = ["qwen3", "llama", "qwen3.5"]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=4102,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    out = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture
+def model_dir(request, tiny_model_dir, tiny_qwen35_dir, tiny_llama_dir) -> str:
+    return str({"qwen3": tiny_model_dir, "qwen3.5": tiny_qwen35_dir, "llama": tiny_llama_dir}[request.param])
+
+
+def config(tmp_path, model: str, **overrides) -> grpo.Config:
+    values = {"trajectories": (tmp_path / "unused.parquet",), "model": model, "output": tmp_path / "out"}
+    values |= {"max_len": 96, "micro_batch_tokens": 256, "lora_r": 4, "lora_alpha": 8, "logprob_chunk": 16}
+    return grpo.Config(**{**values, **overrides})  # type: ignore[arg-type]
+
+
+def make_traces() -> list[Trace]:
+    """Traces of varied lengths; 1 and 2 begin with 0's first 24 tokens (one task's samples), 4 is the longest."""
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, 4000, 24)
+    tails = [rng.integers(3, 4000, n) for n in (20, 11, 33, 40, 70)]
+    tokens = [np.concatenate([prompt, tails[0]]), np.concatenate([prompt, tails[1]])]
+    tokens += [np.concatenate([prompt, tails[2]]), tails[3], tails[4]]
+    return [
+        Trace(
+            session=i,
+            tokens=t,
+            n_prompt=5,
+            trained=np.arange(4, len(t) - 1),
+            behav_logp=np.full(len(t) - 5, np.nan, dtype=np.float32),
+            adv=1.0,
+        )
+        for i, t in enumerate(tokens)
+    ]
+
+
+def load(tmp_path, model: str, **overrides):
+    policy = load_policy(config(tmp_path, model, **overrides), "no")
+    torch.manual_seed(1)
+    for name, p in policy.named_parameters():  # a non-zero adapter: its gradient flows through every layer
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.3)
+    return policy
+
+
+def alone(policy, traces: list[Trace], weights: np.ndarray) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Each trace on its own through the plain PEFT model (full logits): its log-probs, and the gradient of the
+    weighted NLL of all of them."""
+    policy.zero_grad()
+    logps = []
+    for t, w in zip(traces, weights, strict=True):
+        logits = policy.peft(input_ids=torch.from_numpy(t.tokens)[None]).logits[0]  # (T, V)
+        logp = logits.log_softmax(-1)[t.trained, t.tokens[t.trained + 1]]  # (n,)
+        (-float(w) * logp).sum().backward()
+        logps.append(logp.detach())
+    return logps, grads(policy)
+
+
+def batched(policy, mbs: list[data.MicroBatch]) -> tuple[dict[int, torch.Tensor], dict[str, torch.Tensor]]:
+    """The trainer's forward (Policy: fused chunked log-probs and loss) over the micro-batches: each session's
+    log-probs, and the summed gradient."""
+    policy.zero_grad()
+    per_session: dict[int, list[torch.Tensor]] = {}
+    for mb in mbs:
+        logp, _, loss = policy(
+            mb.input_ids,
+            mb.position_ids,
+            mb.sel,
+            mb.targets,
+            mb.family,
+            mb.member,
+            token_loss=lambda lp, sl, mb=mb: -mb.weight[sl] * lp,
+        )
+        loss.backward()
+        for s in mb.session.unique().tolist():
+            per_session.setdefault(s, []).append(logp[mb.session == s])
+    return {s: torch.cat(v) for s, v in per_session.items()}, grads(policy)
+
+
+def grads(policy) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in policy.named_parameters() if p.requires_grad}
+
+
+def micro_batches(traces, budget: int, share_prefix: bool, padded: bool) -> list[data.MicroBatch]:
+    aggregate = losses.AGGREGATIONS["token_mean"]
+    return data.rank_micro_batches(traces, aggregate, 96, budget, 0, 1, share_prefix, padded)
+
+
+def assert_equal_alone(policy, mbs: list[data.MicroBatch], traces: list[Trace]) -> None:
+    weights = np.concatenate([mb.weight.numpy() for mb in mbs])
+    sessions = np.concatenate([mb.session.numpy() for mb in mbs])
+    weight_of = np.array([weights[sessions == t.session][0] for t in traces])
+    expected_logp, expected_grad = alone(policy, traces, weight_of)
+    logp, grad = batched(policy, mbs)
+    for t, expected in zip(traces, expected_logp, strict=True):
+        torch.testing.assert_close(logp[t.session], expected, atol=2e-5, rtol=1e-5)
+    for name, g in expected_grad.items():
+        torch.testing.assert_close(grad[name], g, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("model_dir", ARCHITECTURES, indirect=True)
+@pytest.mark.parametrize("budget", [512, 96], ids=["one-micro-batch", "split"])
+def test_the_chosen_batching_gives_each_trace_what_it_has_alone(tmp_path, model_dir, budget):
+    policy = load(tmp_path, model_dir)
+    expected = "padded" if "qwen3.5" in model_dir else "packed"
+    assert policy.batching == expected, policy.batching_reason
+    traces = make_traces()
+    mbs = micro_batches(traces, budget, share_prefix=False, padded=policy.batching == "padded")
+    assert (len(mbs) == 1) == (budget == 512)
+    assert_equal_alone(policy, mbs, traces)
+
+
+@pytest.mark.parametrize("model_dir", ARCHITECTURES, indirect=True)
+def test_padded_rows_are_right_for_every_architecture(tmp_path, model_dir):
+    policy = load(tmp_path, model_dir)
+    traces = make_traces()
+    mbs = micro_batches(traces, 256, share_prefix=False, padded=True)
+    assert [tuple(mb.input_ids.shape) for mb in mbs] == [(3, 70), (2, 40)]  # 3 x 70 <= 256 < 4 x 70
+    assert_equal_alone(policy, mbs, traces)
+
+
+@pytest.mark.parametrize("model_dir", ["qwen3", "llama"], indirect=True)
+def test_shared_prefix_is_right_where_a_mask_keeps_traces_apart(tmp_path, model_dir):
+    policy = load(tmp_path, model_dir, share_prefix=True)
+    traces = make_traces()
+    mbs = micro_batches(traces, 256, share_prefix=True, padded=False)
+    assert sum(mb.input_ids.numel() for mb in mbs) == sum(len(t.tokens) for t in traces) - 2 * 24
+    assert_equal_alone(policy, mbs, traces)
+
+
+@pytest.mark.parametrize("model_dir", ["qwen3.5"], indirect=True)
+def test_packing_leaks_between_traces_on_linear_attention_and_share_prefix_is_refused(tmp_path, model_dir):
+    # What the trainer did before it chose the batching: one packed row. The later traces inherit the earlier
+    # ones' recurrent state, which the property test above would catch.
+    policy = load(tmp_path, model_dir)
+    traces = make_traces()
+    (mb,) = micro_batches(traces, 256, share_prefix=False, padded=False)
+    expected, _ = alone(policy, traces, np.ones(len(traces)))
+    with torch.no_grad():
+        logp = policy(mb.input_ids, mb.position_ids, mb.sel, mb.targets)[0]
+    worst = max(float((logp[mb.session == t.session] - e).abs().max()) for t, e in zip(traces, expected, strict=True))
+    assert worst > 1e-3
+    with pytest.raises(TrainConfigError, match=r"share-prefix.*linear_attention layers and convolutions carry state"):
+        load_policy(config(tmp_path, model_dir, share_prefix=True), "no")
+
+
+# ---- through the scripts: the first step is the same whether traces share micro-batches or not
+
+
+def first_step(output) -> dict:
+    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()][1]
+
+
+@pytest.mark.slow
+def test_sft_and_grpo_first_step_on_qwen35_do_not_depend_on_the_micro_batch_budget(tmp_path, tiny_qwen35_dir, capsys):
+    rows = groups(
+        {"a": [1, 0, 0.5], "b": [0, 1]}, prompt_len=20, response_len=30, traces=2
+    )  # 50 tokens: one a row at 96
+    rows.append(trace(session="long", task="b", prompt=list(range(40, 90)), response=list(range(90, 130)), reward=0))
+    path = write(tmp_path / "t.parquet", rows)
+    common = {"trajectories": (path,), "model": str(tiny_qwen35_dir), "max_len": 96, "lora_r": 4, "lr": 1e-2}
+    common |= {"max_steps": 1, "logprob_chunk": 16}
+    for script, extra in ((sft, {"sessions_per_step": 99}), (grpo, {"groups_per_step": 2, "save_every": 0})):
+        steps = {}
+        for budget in (1024, 96):
+            out = tmp_path / f"{script.__name__}-{budget}"
+            script.main(script.Config(**common, **extra, micro_batch_tokens=budget, output=out))  # type: ignore[attr-defined]
+            steps[budget] = first_step(out)
+        assert (
+            "batching: padded (qwen3_5_text's linear_attention layers and convolutions carry" in capsys.readouterr().out
+        )
+        loss = "loss/nll" if script is sft else "loss/total"
+        assert math.isfinite(steps[1024][loss]) and steps[1024]["optim/grad_norm"] > 0
+        assert steps[1024][loss] == pytest.approx(steps[96][loss], rel=1e-5, abs=1e-7)
+        assert steps[1024]["optim/grad_norm"] == pytest.approx(steps[96]["optim/grad_norm"], rel=1e-5)
