@@ -12,7 +12,7 @@ import torch
 from tests.train.helpers import groups, trace, write
 from train import data, grpo, losses, sft
 from train.data import Trace
-from train.policy import load_policy
+from train.policy import _trace_bounds, load_policy
 from train.runtime import TrainConfigError
 
 PEFT_WARNING = "ignore:.*is_gradient_checkpointing:FutureWarning"
@@ -209,3 +209,14 @@ def test_sft_and_grpo_first_step_on_qwen35_do_not_depend_on_the_micro_batch_budg
         assert math.isfinite(steps[1024][loss]) and steps[1024]["optim/grad_norm"] > 0
         assert steps[1024][loss] == pytest.approx(steps[96][loss], rel=1e-5, abs=1e-7)
         assert steps[1024]["optim/grad_norm"] == pytest.approx(steps[96]["optim/grad_norm"], rel=1e-5)
+
+
+def test_varlen_bounds_are_the_packed_traces():
+    # What the varlen kernels read on a GPU (not run here): cu_seqlens restarts the recurrent state, seq_idx the
+    # convolution, at each trace of the packed row.
+    (mb,) = micro_batches(make_traces(), 512, share_prefix=False, padded=False)
+    bounds = _trace_bounds(mb.position_ids)
+    lengths = [70, 57, 44, 40, 35]  # packed longest first
+    assert bounds["cu_seq_lens_q"].tolist() == np.cumsum([0, *lengths]).tolist() and bounds["max_length_q"] == 70
+    assert bounds["cu_seq_lens_q"].dtype == bounds["seq_idx"].dtype == torch.int32
+    assert bounds["seq_idx"].tolist() == [np.repeat(np.arange(5), lengths).tolist()]
