@@ -36,6 +36,7 @@ __all__ = [
     "Batching",
     "Policy",
     "PolicyConfig",
+    "check_lora_targets",
     "check_policy_config",
     "check_vocabulary",
     "choose_batching",
@@ -236,6 +237,7 @@ def load_policy(cfg: PolicyConfig, mixed_precision: str) -> Policy:
                 task_type="CAUSAL_LM",
             )
             peft_model = get_peft_model(base, lora)
+    check_lora_targets(peft_model)
     policy = Policy(peft_model, cfg)
     if cfg.share_prefix and policy.batching != "packed":
         raise TrainConfigError(
@@ -243,6 +245,31 @@ def load_policy(cfg: PolicyConfig, mixed_precision: str) -> Policy:
             f"{policy.batching_reason}. Train without --share-prefix"
         )
     return policy
+
+
+def check_lora_targets(peft_model: Any) -> None:
+    """Refuse, at training start, an adapter that vLLM could not hot-load after the run (docs/training.md).
+
+    vLLM (0.32) loads LoRA weights onto its linear and embedding layers. Qwen3.5's convolution is a ``Conv1d``
+    here but a linear layer of another shape in vLLM, and vLLM fuses the Gated DeltaNet projections
+    ``in_proj_qkv`` + ``in_proj_z`` into one layer, ``in_proj_qkvz``, where an adapter on ``in_proj_z`` can only
+    follow one on ``in_proj_qkv`` (its loader infers the slices a missing member covers as all that remain)."""
+    from peft.tuners.lora import LoraLayer
+
+    adapted: dict[str, torch.nn.Module] = {}
+    for name, module in peft_model.named_modules():
+        if isinstance(module, LoraLayer):
+            adapted.setdefault(name.rsplit(".", 1)[-1], module.get_base_layer())
+    if not adapted:
+        raise TrainConfigError("--lora-targets matches no module of the model")
+    if other := sorted(n for n, m in adapted.items() if not isinstance(m, torch.nn.Linear | torch.nn.Embedding)):
+        kinds = ", ".join(f"{n} ({type(adapted[n]).__name__})" for n in other)
+        raise TrainConfigError(f"--lora-targets: vLLM loads LoRA on linear and embedding layers only, not {kinds}")
+    if "in_proj_z" in adapted and "in_proj_qkv" not in adapted:
+        raise TrainConfigError(
+            "--lora-targets adapts in_proj_z but not in_proj_qkv: vLLM fuses the two into in_proj_qkvz and cannot "
+            "load an adapter on in_proj_z alone; add in_proj_qkv"
+        )
 
 
 def check_vocabulary(policy: Policy, traces: Sequence[Trace]) -> None:

@@ -220,3 +220,23 @@ def test_varlen_bounds_are_the_packed_traces():
     assert bounds["cu_seq_lens_q"].tolist() == np.cumsum([0, *lengths]).tolist() and bounds["max_length_q"] == 70
     assert bounds["cu_seq_lens_q"].dtype == bounds["seq_idx"].dtype == torch.int32
     assert bounds["seq_idx"].tolist() == [np.repeat(np.arange(5), lengths).tolist()]
+
+
+# ---- LoRA targets: what vLLM can hot-load after the run
+
+
+@pytest.mark.parametrize("model_dir", ["qwen3.5"], indirect=True)
+@pytest.mark.filterwarnings("ignore:LoRA adapter added to ConvNd layer:UserWarning")  # peft, on conv1d
+def test_all_linear_on_qwen35_adapts_both_layer_kinds_and_unloadable_targets_fail_at_start(tmp_path, model_dir):
+    policy = load(tmp_path, model_dir)
+    adapted = {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in policy.peft.named_parameters() if "lora_A" in n}
+    attention = {"q_proj", "k_proj", "v_proj", "o_proj"}
+    linear_attention = {"in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"}
+    assert adapted == attention | linear_attention | {"gate_proj", "up_proj", "down_proj"}
+    for targets, rank, message in [
+        (("conv1d",), 128, r"linear and embedding layers only, not conv1d \(Conv1d\)"),  # peft: rank % groups
+        (("in_proj_z", "out_proj"), 4, "in_proj_z but not in_proj_qkv"),
+        (("no_such_layer",), 4, "no_such_layer"),
+    ]:
+        with pytest.raises((TrainConfigError, ValueError), match=message):
+            load_policy(config(tmp_path, model_dir, lora_targets=targets, lora_r=rank), "no")
