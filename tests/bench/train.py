@@ -19,10 +19,17 @@ Run:  .venv/bin/python -m tests.bench.train [--quick] [--out tests/bench/results
    for T tokens from hidden states (H 64, vocabulary 32768): ``fused_token_loss`` (chunk 512, what grpo.py
    trains with) vs full logits, each in a fresh process after a warm-up. Fused must grow with T x H, full
    logits with T x V.
+3. Memory at the seed's vocabulary. The same fused path at Qwen3.5's 248,320-token vocabulary (H 64: the output
+   layer is 61 MiB, the (chunk, V) blocks 485 MiB each) at 8192 and 32768 tokens (--quick: 2048 and 8192), fresh
+   process each; full logits are left out (one (32768, 248320) fp32 tensor is 30 GiB). Checked: the peak at the
+   longest trace is under half of one (T, V) fp32 tensor (so not even a bf16 copy of the logits was held), and each
+   extra token costs at most 8 x 4H bytes (the path keeps the hidden states, their gradient and a few (T,)
+   vectors: about 2 x 4H a token; a (T, V) tensor would add 4V, 3880 x 4H here). The rest of the peak is the
+   (chunk, V) blocks of one chunk's work, the same at any T.
 
 Numbers are CPU numbers on whatever else the machine is doing; compare ratios. What needs a GPU: bf16 and
-flash-attention speed, 32k-token traces with a 150k vocabulary (the full logits alone are 18.5 GiB there), and
-multi-GPU (DDP/FSDP/DeepSpeed) scaling. Exit status 0 when everything ran (a MISS is a result, not a failure).
+flash-attention speed, a whole 32k-token micro-batch against device memory, and multi-GPU (DDP/FSDP/DeepSpeed)
+scaling. Exit status 0 when everything ran (a MISS is a result, not a failure).
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ from rich.console import Console
 from tests.bench import report
 
 ROOT = Path(__file__).resolve().parents[2]
-GiB = 2**30
+SEED_VOCAB = 248320  # Qwen3.5's vocabulary
 
 
 @dataclasses.dataclass
@@ -57,7 +64,8 @@ class Config:
     """Training-step and log-prob memory benchmark."""
 
     quick: bool = False
-    """Short run (about 40 s): fewer rounds, memory up to 4096 tokens (the full run takes about 90 s)."""
+    """Short run (about 60 s): fewer rounds, memory up to 4096 tokens, the seed's vocabulary at 2048 and 8192 tokens
+    (the full run takes about 2.5 min, 1.5 of them the seed's vocabulary at 8192 and 32768)."""
     out: Path = Path("tests/bench/results/train.md")
     """Markdown results file (relative to the repository root); the JSON goes next to it as .json."""
     threads: int = 1
@@ -223,12 +231,13 @@ def child_memory(method: str, tokens: int, hidden: int, vocab: int, chunk: int) 
     print(json.dumps({"peak_bytes": _vm("VmHWM") - base, "seconds": time.perf_counter() - t0}))
 
 
-def memory_benchmark(cfg: Config, console: Console) -> dict[str, object]:
-    hidden, vocab, chunk = 64, 32768, 512
-    sizes = [1024, 2048, 4096] if cfg.quick else [1024, 2048, 4096, 8192]
+def memory_runs(
+    methods: tuple[str, ...], sizes: list[int], hidden: int, vocab: int, chunk: int, console: Console
+) -> dict[str, object]:
+    """``child_memory`` of each method at each size, each in a fresh process (one torch thread)."""
     rows = []
     for tokens in sizes:
-        for method in ("fused", "full"):
+        for method in methods:
             call = f"child_memory({method!r}, {tokens}, {hidden}, {vocab}, {chunk})"
             code = f"from tests.bench.train import child_memory; {call}"
             out = subprocess.run(
@@ -243,11 +252,41 @@ def memory_benchmark(cfg: Config, console: Console) -> dict[str, object]:
                 raise RuntimeError(f"memory child {method} {tokens} failed:\n{out.stderr[-2000:]}")
             result = json.loads(out.stdout.strip().splitlines()[-1])
             rows.append({"method": method, "tokens": tokens, **result})
-            console.print(f"  memory {method:>7} T={tokens}: {result['peak_bytes'] / 2**20:.0f} MiB")
+            console.print(f"  memory {method:>7} T={tokens} V={vocab}: {result['peak_bytes'] / 2**20:.0f} MiB")
     return {"hidden": hidden, "vocab": vocab, "chunk": chunk, "rows": rows}
 
 
+def memory_benchmark(cfg: Config, console: Console) -> dict[str, object]:
+    sizes = [1024, 2048, 4096] if cfg.quick else [1024, 2048, 4096, 8192]
+    return memory_runs(("fused", "full"), sizes, hidden=64, vocab=32768, chunk=512, console=console)
+
+
+def seed_vocab_memory(cfg: Config, console: Console) -> dict[str, object]:
+    sizes = [2048, 8192] if cfg.quick else [8192, 32768]
+    return memory_runs(("fused",), sizes, hidden=64, vocab=SEED_VOCAB, chunk=512, console=console)
+
+
 # ---- report
+
+
+def seed_vocab_targets(seed: dict[str, object]) -> list[dict[str, object]]:
+    """Part 3's bounds: no (T, V) tensor at the longest trace, and growth of a few (T, H) tensors a token."""
+    peak = {r["tokens"]: r["peak_bytes"] for r in seed["rows"]}
+    lo, hi = min(peak), max(peak)
+    per_token = (peak[hi] - peak[lo]) / (hi - lo)  # bytes per extra token
+    of_tv = peak[hi] / (hi * seed["vocab"] * 4)
+    of_h = per_token / (4 * seed["hidden"])
+    block = seed["chunk"] * seed["vocab"] * 4  # one chunk's (chunk, V) fp32 logits
+    return [
+        {"name": f"seed vocab {seed['vocab']}: fused peak at {hi} tokens / one (T, V) fp32 tensor", "value": of_tv,
+         "unit": "x", "limit": "< 0.5", "result": "PASS" if of_tv < 0.5 else "MISS"},
+        {"name": f"seed vocab: bytes per extra token, {lo} -> {hi}, / (4 x hidden)", "value": of_h, "unit": "x",
+         "limit": "<= 8", "result": "PASS" if of_h <= 8 else "MISS"},
+        {"name": f"seed vocab: fused peak at {hi} / at {lo} tokens", "value": peak[hi] / peak[lo], "unit": "x",
+         "limit": "-", "result": "info"},
+        {"name": f"seed vocab: fused peak at {hi} tokens / one (chunk, V) fp32 block", "value": peak[hi] / block,
+         "unit": "x", "limit": "-", "result": "info"},
+    ]  # fmt: skip
 
 
 def evaluate(step: dict[str, object], memory: dict[str, object]) -> list[dict[str, object]]:
@@ -278,7 +317,9 @@ def evaluate(step: dict[str, object], memory: dict[str, object]) -> list[dict[st
     ]  # fmt: skip
 
 
-def tables(step: dict[str, object], memory: dict[str, object], verdicts: list[dict[str, object]]) -> list[tuple]:
+def tables(
+    step: dict[str, object], memory: dict[str, object], seed: dict[str, object], verdicts: list[dict[str, object]]
+) -> list[tuple]:
     labels = {
         "plain": "plain forward+backward (full logits, CE)",
         "grpo": "grpo step (first of a run)",
@@ -307,15 +348,23 @@ def tables(step: dict[str, object], memory: dict[str, object], verdicts: list[di
         ]
         for t in sizes
     ]
+    sv = [
+        [str(r["tokens"]), f"{r['peak_bytes'] / 2**20:.0f}", f"{r['seconds']:.1f}",
+         f"{r['tokens'] * seed['vocab'] * 4 / 2**20:,.0f}"]
+        for r in seed["rows"]
+    ]  # fmt: skip
     v = [[str(r["name"]), f"{r['value']:.3g}{r['unit']}", str(r["limit"]), str(r["result"])] for r in verdicts]
     return [
         (["step", "best CPU s", "median CPU s", "tokens/s (best)", "vs plain (best)", "vs plain (median)"], s),
         (["tokens", "fused (chunk 512) peak MiB", "full-logits peak MiB", "one T x V fp32 tensor MiB"], m),
+        (["tokens (vocab 248,320)", "fused (chunk 512) peak MiB", "s", "one T x V fp32 tensor MiB"], sv),
         (["target", "measured", "limit", "result"], v),
     ]
 
 
-def notes(cfg: Config, step: dict[str, object], memory: dict[str, object], elapsed: float) -> list[str]:
+def notes(
+    cfg: Config, step: dict[str, object], memory: dict[str, object], seed: dict[str, object], elapsed: float
+) -> list[str]:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     return [
@@ -335,12 +384,14 @@ def notes(cfg: Config, step: dict[str, object], memory: dict[str, object], elaps
             "process each."
         ),
         (
-            "At 32k tokens and a 151,936 vocabulary one fp32 copy of the full logits is 18.5 GiB; a 512-token chunk "
-            "is 0.29 GiB (arithmetic, not measured)."
+            f"Seed vocabulary: the fused path alone at vocab {seed['vocab']:,} (Qwen3.5), (T, {seed['hidden']}) hidden "
+            f"states, chunk {seed['chunk']}, same method; a (chunk, V) fp32 block is "
+            f"{seed['chunk'] * seed['vocab'] * 4 / 2**20:.0f} MiB, and the peak is a few of them plus what grows with "
+            "T x H. Full logits are not run: one fp32 copy is 30 GiB at 32k tokens (18.5 GiB at Qwen3's 151,936)."
         ),
         (
-            "Measure on a GPU: bf16 + flash-attention step time, long traces (8k-32k tokens) against torch.cuda "
-            "max_memory_allocated, and multi-GPU scaling (DDP, FSDP, DeepSpeed)."
+            "Measure on a GPU (tests/bench/gpu.py): bf16 + flash-attention step time, a whole 32k-token micro-batch "
+            "against torch.cuda max_memory_allocated, and multi-GPU scaling (DDP, FSDP, DeepSpeed)."
         ),
     ]
 
@@ -352,11 +403,13 @@ def main(cfg: Config) -> int:
     step = step_benchmark(cfg, console)
     console.print("[bold]2. log-prob memory, fused chunks vs full logits[/]")
     memory = memory_benchmark(cfg, console)
-    verdicts = evaluate(step, memory)
-    note_lines = notes(cfg, step, memory, time.monotonic() - t0)
+    console.print(f"[bold]3. fused log-prob memory at the seed's vocabulary ({SEED_VOCAB:,})[/]")
+    seed = seed_vocab_memory(cfg, console)
+    verdicts = evaluate(step, memory) + seed_vocab_targets(seed)
+    note_lines = notes(cfg, step, memory, seed, time.monotonic() - t0)
     out = cfg.out if cfg.out.is_absolute() else ROOT / cfg.out
-    data = {"step": step, "memory": memory, "targets": verdicts}
-    report.write_results(console, out, cfg, tables(step, memory, verdicts), note_lines, data)
+    data = {"step": step, "memory": memory, "seed_vocab_memory": seed, "targets": verdicts}
+    report.write_results(console, out, cfg, tables(step, memory, seed, verdicts), note_lines, data)
     console.print(f"wrote {out} and {out.with_suffix('.json')} in {time.monotonic() - t0:.0f} s")
     return 0
 
