@@ -1,10 +1,11 @@
-"""The GPU check: train/grpo.py's step on a Qwen3-4B-shaped model, ready for the first GPU a session is lent.
+"""The GPU check: train/grpo.py's step on Qwen3-4B- and Qwen3.5-4B-shaped models, ready for the first GPU lent.
 
 Run:  .venv/bin/python -m tests.bench.gpu [--tiny] [--out tests/bench/results/gpu.md]
 
-Needs only torch, transformers, peft and accelerate, and no hub: the model is built from a config written here,
-Qwen3-4B's shape (36 layers, hidden 2560, 32 query and 8 key-value heads, vocabulary 151,936) with random
-weights in bf16, on the first CUDA device (else the CPU). It measures:
+Needs only torch, transformers, peft and accelerate, and no hub: the models are built from configs written here
+with random weights in bf16, on the first CUDA device (else the CPU): Qwen3-4B's shape (36 layers, hidden 2560, 32
+query and 8 key-value heads, vocabulary 151,936) and Qwen3.5-4B's text model, the seed's family (32 layers, hidden
+2560, three Gated DeltaNet layers to one full-attention layer, vocabulary 248,320). It measures:
 
 1. A GRPO step: ``grpo.accumulate`` over every micro-batch (fused chunked log-probs, GRPO loss, backward), then
    clipping and AdamW, with grpo.py's LoRA (r 16 on every linear layer of the decoder) and gradient checkpointing.
@@ -15,27 +16,48 @@ weights in bf16, on the first CUDA device (else the CPU). It measures:
    (what grpo.py trains with) against full logits; and one whole 32K-token micro-batch through the model.
 3. FSDP on one device: the step of 1. with every decoder layer and the policy under FSDP2 (``fully_shard``, a
    process group of one), which is what ``train/configs/fsdp.yaml`` makes of it.
+4. Qwen3.5-4B: the step of 1. (same traces, LoRA on what grpo.py's all-linear resolves to there, Gated DeltaNet's
+   in_proj_qkv/z/a/b and out_proj included) packed and padded (one trace a row), with the batching the policy chose
+   at load and the linear-attention kernels found (flash-linear-attention ``fla``, ``causal_conv1d``). Packed is
+   ``varlen`` where they import on a GPU (trace bounds reach the kernels, which restart the state at each one);
+   without them a packed row leaks state from trace to trace and is timed only. Then a correctness check: each of
+   three short traces alone against the three packed in one row and padded in one micro-batch, no-grad, the largest
+   log-prob difference: padded is right by construction, so its difference is the bf16 kernels' noise, and varlen
+   packing is right when its difference is of that size.
 
 MFU counts 4 x (parameters) x tokens per step (forward 2, backward through the activations 2: the frozen base gets
 no weight gradient under LoRA) plus attention's 4 x layers x tokens x context x width (forward and backward,
-causal), against the device's dense bf16 peak (PEAK_FLOPS). With gradient checkpointing the GPU runs one forward
-more than counted. ``--tiny`` runs the same code on a model of a few hundred thousand weights and short traces, so
-the check runs in ``make test`` (tests/bench/test_gpu.py) and never rots; its figures mean nothing.
-Must finish within 8 minutes on one GPU, so a lent device's 15 minutes hold it twice.
+causal) for the full-attention layers only, against the device's dense bf16 peak (PEAK_FLOPS). A Gated DeltaNet
+layer's cost is counted in its projections' weights; its chunked recurrence (a (128 x 128) state per value head:
+about 2 % of the layer's matmuls, at any length) and its convolution are left out, so MFU there is slightly low. With gradient checkpointing the GPU runs one forward more than counted. ``--tiny`` runs the same code on
+models of a few hundred thousand weights and short traces, so the check runs in ``make test``
+(tests/bench/test_gpu.py) and never rots; its figures mean nothing.
+
+Must finish within 8 minutes on one GPU, so a lent device's 15 minutes hold it twice. Estimate, not measured: 1. and
+3. are 12 steps of 32,768 tokens at 5.7e14 counted FLOPs (8.4e14 run, with the recomputed forward), 2.'s 32K
+micro-batch 1.6e15 run, 4. eight steps at 5.6e14 counted (8.4e14 run): 1.9e16 FLOPs, 19 s at the H200's peak and
+about a minute at 30 % MFU. The rest is building the models (random init on the device, seconds), Triton compiling
+and autotuning fla's kernels at their first call (tens of seconds), and, without the kernels, transformers' torch
+fallback for Gated DeltaNet (a Python loop over 64-token chunks: slower by an unmeasured factor, which the margin
+of several times is for).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
+import importlib.metadata
+import importlib.util
 import os
 import socket
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -62,11 +84,39 @@ QWEN3_4B = {
 }
 TINY = {**QWEN3_4B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
 TINY |= {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+# Qwen3.5-4B's text config (its published config.json, named as Qwen3_5TextConfig's signature names them): the
+# published full_attention_interval 4 is written out as layer_types; its rope's mrope sections are left out, as
+# a text-only model gives the three sections the same positions, which is plain rope.
+QWEN35_4B = {
+    "vocab_size": 248320,
+    "hidden_size": 2560,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 32,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "max_position_embeddings": 262144,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+}
+TINY_QWEN35 = {**QWEN35_4B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4}
+TINY_QWEN35 |= {"layer_types": QWEN35_4B["layer_types"][:4], "num_attention_heads": 4, "num_key_value_heads": 2}
+TINY_QWEN35 |= {"head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4}
+TINY_QWEN35 |= {"linear_key_head_dim": 16, "linear_value_head_dim": 16}
+# The correctness check's traces: shorter and longer than the kernels' 64-token chunks, in every model.
+CHECK_LENGTHS = (96, 40, 150)
 
 
 @dataclasses.dataclass
 class Config:
-    """GRPO step, log-prob memory and FSDP on one device, at Qwen3-4B's shape."""
+    """GRPO step, log-prob memory and FSDP on one device at Qwen3-4B's shape; packed and padded at Qwen3.5-4B's."""
 
     tiny: bool = False
     """A model of a few hundred thousand weights and short traces: checks the code runs (make test), in seconds."""
@@ -87,27 +137,38 @@ FULL = Sizes(trace=2048, prompt=1024, traces=16, micro_batch=8192, long=(8192, 3
 SMALL = Sizes(trace=64, prompt=32, traces=8, micro_batch=256, long=(256, 1024))
 
 
-def build_policy(shape: dict[str, Any], device: torch.device, micro_batch: int) -> tuple[Any, Any]:
-    """(policy.Policy over a random Qwen3 of ``shape`` in bf16 with grpo.py's LoRA, its grpo.Config)."""
+def lora_targets(base: Any) -> list[str]:
+    """What grpo.py's --lora-targets all-linear resolves to (train/policy.py's load_policy): the leaf names of every
+    linear layer of the decoder, the output layer aside."""
+    head = base.get_output_embeddings()
+    linear = (n for n, m in base.get_decoder().named_modules() if isinstance(m, torch.nn.Linear) and m is not head)
+    return sorted({n.rsplit(".", 1)[-1] for n in linear})
+
+
+def build_policy(family: str, shape: dict[str, Any], device: torch.device, micro_batch: int) -> tuple[Any, Any]:
+    """(policy.Policy over a random ``family`` model ("qwen3", "qwen3.5") of ``shape`` in bf16 with grpo.py's LoRA,
+    its grpo.Config); the policy chooses its batching from the model, as in training."""
     from peft import LoraConfig, get_peft_model
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
     from train import grpo, policy
 
+    config_class, model_class = {
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "qwen3.5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
+    }[family]
     torch.manual_seed(0)
-    config = Qwen3Config(**shape, bos_token_id=None, eos_token_id=2, pad_token_id=0, use_cache=False)
+    config = config_class(**shape, bos_token_id=None, eos_token_id=2, pad_token_id=0, use_cache=False)
     with torch.device(device):
-        base = Qwen3ForCausalLM(config).to(torch.bfloat16)
+        base = model_class(config).to(torch.bfloat16)
     base.activation_checkpointing_enable({"use_reentrant": False})
-    # What grpo.py's --lora-targets all-linear resolves to on Qwen3: every linear layer of the decoder.
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=lora_targets(base), task_type="CAUSAL_LM")
     with warnings.catch_warnings():  # peft reads is_gradient_checkpointing, which transformers 5 deprecates
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
         peft_model = get_peft_model(base, lora)
     cfg = grpo.Config(
         trajectories=(),
-        model="random-qwen3",
+        model=f"random-{family}",
         output=Path("unused"),
         max_len=micro_batch,
         micro_batch_tokens=micro_batch,
@@ -162,9 +223,11 @@ def peak_memory(device: torch.device, into: dict[str, Any]) -> Iterator[None]:
 
 
 def step_flops(shape: dict[str, Any], params: int, tokens: int, context: int) -> float:
-    """Model FLOPs of one LoRA step over ``tokens`` in traces of ``context`` tokens (see the module doc)."""
+    """Model FLOPs of one LoRA step over ``tokens`` in traces of ``context`` tokens (see the module doc): attention's
+    term for the full-attention layers only (every layer where ``shape`` lists no layer types)."""
     width = shape["num_attention_heads"] * shape["head_dim"]
-    return 4.0 * params * tokens + 4.0 * shape["num_hidden_layers"] * tokens * context * width
+    kinds = shape.get("layer_types") or ["full_attention"] * shape["num_hidden_layers"]
+    return 4.0 * params * tokens + 4.0 * kinds.count("full_attention") * tokens * context * width
 
 
 def time_steps(step: Callable[[], None], device: torch.device, rounds: int) -> float:
@@ -180,8 +243,17 @@ def time_steps(step: Callable[[], None], device: torch.device, rounds: int) -> f
     return best
 
 
-def grpo_runs(policy: Any, cfg: Any, sizes: Sizes, shape: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """Tokens/s, MFU and peak memory of a GRPO step, plain packing and shared prefixes; the step function too."""
+# A run of the step: (share prompts by --share-prefix, rows: "packed" (varlen where the policy has it) or "padded").
+Run = tuple[bool, Literal["packed", "padded"]]
+QWEN3_RUNS: dict[str, Run] = {"grpo": (False, "packed"), "grpo_share_prefix": (True, "packed")}
+QWEN35_RUNS: dict[str, Run] = {"packed": (False, "packed"), "padded": (False, "padded")}
+
+
+def grpo_runs(
+    policy: Any, cfg: Any, sizes: Sizes, shape: dict[str, Any], device: torch.device, runs: dict[str, Run]
+) -> dict[str, Any]:
+    """Tokens/s, MFU and peak memory of a GRPO step for each of ``runs``, and the batching its forward used (a packed
+    row is ``varlen`` where the policy has the kernels, plain ``packed`` otherwise); the first run's step function."""
     from accelerate import Accelerator
 
     from train import grpo, losses, runtime
@@ -205,21 +277,25 @@ def grpo_runs(policy: Any, cfg: Any, sizes: Sizes, shape: dict[str, Any], device
         return step
 
     steps = {}
-    for name, shared in (("grpo", False), ("grpo_share_prefix", True)):
+    for name, (shared, rows) in runs.items():
         traces = make_traces(sizes, shape["vocab_size"], shared)
         run_cfg = dataclasses.replace(cfg, share_prefix=shared)
         mbs = grpo.rank_micro_batches(
-            traces, run_cfg, losses.AGGREGATIONS[cfg.loss_agg], rank=0, world=1, batching="packed"
+            traces, run_cfg, losses.AGGREGATIONS[cfg.loss_agg], rank=0, world=1, batching=rows
         )
         steps[name] = step_of(mbs)
-        row: dict[str, Any] = {"micro_batches": len(mbs), "computed_tokens": sum(mb.input_ids.shape[1] for mb in mbs)}
+        row: dict[str, Any] = {
+            "batching": "varlen" if rows == "packed" and policy.batching == "varlen" else rows,
+            "micro_batches": len(mbs),
+            "computed_tokens": sum(mb.input_ids.numel() for mb in mbs),
+        }
         with peak_memory(device, row):
             seconds = time_steps(steps[name], device, rounds=3)
         tokens = sizes.traces * sizes.trace  # the traces' own tokens: what a user's batch holds
         flops = step_flops(shape, params, tokens, sizes.trace)
         row |= {"step_s": seconds, "tokens_per_s": tokens / seconds, "mfu": flops / seconds / peak if peak else None}
         results[name] = row
-    results["step"] = steps["grpo"]
+    results["step"] = steps[next(iter(runs))]
     return results
 
 
@@ -293,59 +369,160 @@ def fsdp_run(policy: Any, cfg: Any, sizes: Sizes, shape: dict[str, Any], device:
         for layer in policy.peft.get_base_model().model.layers:
             fully_shard(layer)
         fully_shard(policy)
-        runs = grpo_runs(policy, cfg, sizes, shape, device)
+        runs = grpo_runs(policy, cfg, sizes, shape, device, {"grpo": QWEN3_RUNS["grpo"]})
         return {"grpo": runs["grpo"]}
     finally:
         dist.destroy_process_group()
+
+
+def kernel_versions() -> dict[str, str | None]:
+    """The linear-attention kernels transformers runs Gated DeltaNet with when they import: their distributions and
+    versions, None where absent."""
+    distributions = importlib.metadata.packages_distributions()
+    found: dict[str, str | None] = {}
+    for module in ("fla", "causal_conv1d"):
+        if importlib.util.find_spec(module) is None:
+            found[module] = None
+            continue
+        names = sorted(set(distributions.get(module, [])))
+        found[module] = ", ".join(f"{n} {importlib.metadata.version(n)}" for n in names) or "installed, no metadata"
+    return found
+
+
+def packing_check(policy: Any, cfg: Any, vocab: int, device: torch.device) -> dict[str, Any]:
+    """The largest |log-prob - the trace's alone| over the CHECK_LENGTHS traces, packed in one row (as the policy
+    runs a packed row: varlen or not) and padded one a row, no-grad."""
+    from train import data, grpo, losses
+
+    rng = np.random.default_rng(1)
+    traces = [
+        data.Trace(
+            session=i,
+            tokens=rng.integers(3, vocab, n),
+            n_prompt=1,
+            trained=np.arange(0, n - 1),
+            behav_logp=np.full(n - 1, np.nan, np.float32),
+            adv=1.0,
+        )
+        for i, n in enumerate(CHECK_LENGTHS)
+    ]
+    longest = max(CHECK_LENGTHS)
+    run_cfg = dataclasses.replace(cfg, max_len=longest, micro_batch_tokens=len(traces) * longest)
+
+    def logp_by_trace(batch: list[Any], rows: Literal["packed", "padded"]) -> dict[int, torch.Tensor]:
+        [mb] = grpo.rank_micro_batches(batch, run_cfg, losses.AGGREGATIONS[cfg.loss_agg], 0, 1, batching=rows)
+        mb = mb.to(device)
+        logp = policy(mb.input_ids, mb.position_ids, mb.sel, mb.targets)[0].float()  # (N,)
+        return {t.session: logp[mb.session == t.session] for t in batch}
+
+    policy.eval()
+    with torch.no_grad():
+        alone = {t.session: logp_by_trace([t], "packed")[t.session] for t in traces}
+        together = {rows: logp_by_trace(traces, rows) for rows in ("packed", "padded")}
+    policy.train()
+    worst = {rows: max(float((got[s] - alone[s]).abs().max()) for s in alone) for rows, got in together.items()}
+    return {"lengths": list(CHECK_LENGTHS), "packed_max_diff": worst["packed"], "padded_max_diff": worst["padded"]}
+
+
+def hybrid_runs(shape: dict[str, Any], sizes: Sizes, device: torch.device) -> dict[str, Any]:
+    """Part 4 on a random Qwen3.5 of ``shape``: the batching chosen, packed and padded steps, the packing check."""
+    policy, gcfg = build_policy("qwen3.5", shape, device, sizes.micro_batch)
+    policy.train()
+    results = grpo_runs(policy, gcfg, sizes, shape, device, QWEN35_RUNS)
+    results.pop("step")
+    results |= {"batching": policy.batching, "batching_reason": policy.batching_reason}
+    results["lora_targets"] = sorted(policy.peft.peft_config["default"].target_modules)
+    results["check"] = packing_check(policy, gcfg, shape["vocab_size"], device)
+    return results
 
 
 def main(cfg: Config) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=130)
     t0 = time.monotonic()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    shape, sizes = (TINY, SMALL) if cfg.tiny else (QWEN3_4B, FULL)
+    shape, hybrid_shape, sizes = (TINY, TINY_QWEN35, SMALL) if cfg.tiny else (QWEN3_4B, QWEN35_4B, FULL)
     if device.type == "cpu":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    console.print(f"[bold]device {device_name(device)}; model {'tiny' if cfg.tiny else 'Qwen3-4B shape'}, bf16[/]")
-    policy, gcfg = build_policy(shape, device, sizes.micro_batch)
+    kernels = kernel_versions()
+    size = "tiny" if cfg.tiny else "4B"
+    console.print(f"[bold]device {device_name(device)}; models Qwen3-{size} and Qwen3.5-{size} shapes, bf16[/]")
+    console.print(f"linear-attention kernels: {kernels}")
+    policy, gcfg = build_policy("qwen3", shape, device, sizes.micro_batch)
     policy.train()
     console.print("1. GRPO step, plain packing and shared prefixes")
-    steps = grpo_runs(policy, gcfg, sizes, shape, device)
+    steps = grpo_runs(policy, gcfg, sizes, shape, device, QWEN3_RUNS)
     steps.pop("step")
     console.print("2. log-prob memory")
     memory = logprob_memory(shape, sizes, device)
     long = long_micro_batch(policy, gcfg, shape, sizes.long[-1], device)
     console.print("3. FSDP2 on one device")
     fsdp = fsdp_run(policy, gcfg, sizes, shape, device)
+    del policy  # the Qwen3.5 model needs its device memory
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    console.print("4. Qwen3.5: GRPO step packed and padded, packing check")
+    try:
+        hybrid = hybrid_runs(hybrid_shape, sizes, device)
+        console.print(f"  batching chosen: {hybrid['batching']} ({hybrid['batching_reason']})")
+    except Exception:  # noqa: BLE001 - written beside parts 1-3 rather than losing them: device minutes are few
+        hybrid = {"error": traceback.format_exc()}
+        console.print(f"[red]Qwen3.5 part failed[/]\n{hybrid['error']}")
     elapsed = time.monotonic() - t0
 
     def fmt(v: Any, spec: str) -> str:
         return "n/a" if v is None else format(v, spec)
 
+    def step_row(name: str, r: dict[str, Any]) -> list[str]:
+        return [name, r["batching"], str(r["micro_batches"]), str(r["computed_tokens"]), fmt(r["step_s"], ".3f"),
+                fmt(r["tokens_per_s"], ",.0f"), fmt(r["mfu"], ".1%"), fmt(r["peak_gib"], ".2f")]  # fmt: skip
+
     step_rows = [
-        [name, str(r["micro_batches"]), str(r["computed_tokens"]), fmt(r["step_s"], ".3f"),
-         fmt(r["tokens_per_s"], ",.0f"), fmt(r["mfu"], ".1%"), fmt(r["peak_gib"], ".2f")]
-        for name, r in (("grpo", steps["grpo"]), ("grpo --share-prefix", steps["grpo_share_prefix"]),
-                        ("grpo under FSDP2", fsdp["grpo"]))
-    ]  # fmt: skip
+        step_row(f"Qwen3-{size} grpo", steps["grpo"]),
+        step_row(f"Qwen3-{size} grpo --share-prefix", steps["grpo_share_prefix"]),
+        step_row(f"Qwen3-{size} grpo under FSDP2", fsdp["grpo"]),
+    ]
     memory_rows = [[r["method"], str(r["tokens"]), fmt(r["peak_gib"], ".2f")] for r in memory]
     memory_rows.append(["whole micro-batch (fused)", str(long["tokens"]), fmt(long["peak_gib"], ".2f")])
     tables = [
-        (["step", "micro-batches", "tokens computed", "s", "tokens/s", "MFU", "peak GiB"], step_rows),
-        (["log-probs", "tokens", "peak GiB"], memory_rows),
+        (["step", "batching", "micro-batches", "tokens computed", "s", "tokens/s", "MFU", "peak GiB"], step_rows),
+        (["log-probs (Qwen3)", "tokens", "peak GiB"], memory_rows),
     ]
+    found = ", ".join(f"{k} {v or 'absent'}" for k, v in kernels.items())
     notes = [
-        f"device {device_name(device)}, torch {torch.__version__}",
-        f"model {'tiny' if cfg.tiny else 'Qwen3-4B shape'}: {steps['parameters']:,} weights",
-        f"{steps['trainable']:,} trainable (LoRA r16), bf16, gradient checkpointing",
+        f"device {device_name(device)}, torch {torch.__version__}; linear-attention kernels: {found}",
+        f"Qwen3-{size} shape: {steps['parameters']:,} weights, {steps['trainable']:,} trainable (LoRA r16)",
+    ]
+    if "error" in hybrid:
+        notes.append(f"Qwen3.5 part failed: {hybrid['error'].strip().splitlines()[-1]} (traceback in the JSON)")
+    else:
+        # Without the kernels a packed Qwen3.5 row carries each trace's state into the next: timed, not trained on.
+        leaking = " (state leaks across traces: timing only)" if hybrid["packed"]["batching"] == "packed" else ""
+        step_rows.append(step_row(f"Qwen3.5-{size} grpo packed{leaking}", hybrid["packed"]))
+        step_rows.append(step_row(f"Qwen3.5-{size} grpo padded", hybrid["padded"]))
+        check = hybrid["check"]
+        check_rows = [
+            [f"packed in one row ({hybrid['packed']['batching']})", f"{check['packed_max_diff']:.3g}"],
+            ["padded, one trace a row (the bf16 noise)", f"{check['padded_max_diff']:.3g}"],
+        ]
+        lengths = ", ".join(map(str, check["lengths"]))
+        tables.append(([f"Qwen3.5 traces of {lengths} tokens", "max |log-prob - alone|"], check_rows))
+        weights = f"{hybrid['parameters']:,} weights, {hybrid['trainable']:,} trainable"
+        notes += [
+            f"Qwen3.5-{size} shape: {weights} (LoRA r16 on {', '.join(hybrid['lora_targets'])})",
+            f"Qwen3.5 batching chosen at load: {hybrid['batching']} ({hybrid['batching_reason']})",
+        ]
+    notes += [
+        "bf16, gradient checkpointing; MFU counts attention for full-attention layers only (module doc)",
         f"{sizes.traces} traces of {sizes.trace} tokens a step, micro-batches of {sizes.micro_batch}; best of 3 steps",
         f"finished in {elapsed:.0f} s",
     ]
     out = cfg.out if cfg.out.is_absolute() else ROOT / cfg.out
-    data = {"device": device_name(device), "step": steps, "memory": memory, "long": long, "fsdp": fsdp}
+    data = {"device": device_name(device), "kernels": kernels, "step": steps, "memory": memory, "long": long}
+    data |= {"fsdp": fsdp, "qwen35": hybrid}
     report.write_results(console, out, cfg, tables, notes, data | {"elapsed_s": elapsed})
     console.print(f"wrote {out} and {out.with_suffix('.json')} in {elapsed:.0f} s")
-    return 0
+    return 1 if "error" in hybrid else 0
 
 
 if __name__ == "__main__":

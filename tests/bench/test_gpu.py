@@ -30,3 +30,13 @@ def test_gpu_check_runs_at_tiny_size(tmp_path):
     ]  # fmt: skip
     assert results["long"]["tokens"] == 1024 and results["long"]["seconds"] > 0
     assert "grpo --share-prefix" in out.read_text()
+    # Qwen3.5: no CUDA here, so the policy pads; the packed row runs without trace bounds (and leaks, which the
+    # packing check sees: padding is exact on the CPU).
+    hybrid = results["qwen35"]
+    assert hybrid["batching"] == "padded" and "no CUDA device" in hybrid["batching_reason"]
+    assert (hybrid["packed"]["batching"], hybrid["padded"]["batching"]) == ("packed", "padded")
+    assert all(hybrid[k]["tokens_per_s"] > 0 and math.isfinite(hybrid[k]["step_s"]) for k in ("packed", "padded"))
+    assert {"in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj", "q_proj"} <= set(hybrid["lora_targets"])
+    assert hybrid["check"]["padded_max_diff"] < 1e-3 < hybrid["check"]["packed_max_diff"]
+    assert set(results["kernels"]) == {"fla", "causal_conv1d"}
+    assert "Qwen3.5-tiny grpo padded" in out.read_text()
