@@ -116,6 +116,7 @@ class _FusedTokenLoss(torch.autograd.Function):
             (grad_hidden[sl],) = torch.autograd.grad(logits, h, grad_z)
             total += loss.detach()
             logps.append(lp.detach())
+            del logits, z, p, grad_z, h  # else this chunk's (c, V) blocks live on while the next one's are built
         ctx.save_for_backward(grad_hidden)
         logp = torch.cat(logps)  # (N,)
         entropy = torch.cat(entropies) if with_entropy else logp.new_zeros(0)  # (N,) or (0,)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
+import importlib
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,6 +41,7 @@ __all__ = [
     "check_vocabulary",
     "choose_batching",
     "load_policy",
+    "lora_target_names",
 ]
 
 Batching = Literal["packed", "varlen", "padded"]
@@ -174,6 +175,33 @@ def _trace_bounds(position_ids: torch.Tensor) -> dict[str, Any]:
     }
 
 
+def _missing_varlen_kernels() -> list[str]:
+    """The varlen kernel packages that transformers would not use: absent, too old (its own checks), or failing to
+    import (its kernel wrapper then falls back to torch, which refuses trace bounds)."""
+    from transformers.utils.import_utils import is_causal_conv1d_available, is_flash_linear_attention_available
+
+    missing = []
+    for package, usable in (
+        ("fla", is_flash_linear_attention_available),
+        ("causal_conv1d", is_causal_conv1d_available),
+    ):
+        try:
+            ok = usable() and importlib.import_module(package) is not None
+        except (ImportError, OSError, RuntimeError):  # a broken install: missing symbols, CUDA libraries
+            ok = False
+        if not ok:
+            missing.append(package)
+    return missing
+
+
+def lora_target_names(model: Any) -> list[str]:
+    """What ``--lora-targets all-linear`` resolves to: the leaf names of every linear layer of the decoder, the
+    output layer aside (the form vLLM expects)."""
+    head = model.get_output_embeddings()
+    linear = (n for n, m in model.get_decoder().named_modules() if isinstance(m, torch.nn.Linear) and m is not head)
+    return sorted({n.rsplit(".", 1)[-1] for n in linear})
+
+
 def choose_batching(model: Any) -> tuple[Batching, str]:
     """How traces may share a forward pass of ``model`` (see the module doc), and why, from its config and modules."""
     text = model.config.get_text_config()
@@ -184,7 +212,7 @@ def choose_batching(model: Any) -> tuple[Batching, str]:
     if not parts:
         return "packed", "every layer is attention: traces packed in a row are kept apart by mask"
     stateful = f"{text.model_type}'s {' and '.join(parts)} carry state along a row"
-    kernels = [p for p in ("fla", "causal_conv1d") if importlib.util.find_spec(p) is None]
+    kernels = _missing_varlen_kernels()
     if text.model_type in _VARLEN_MODEL_TYPES and torch.cuda.is_available() and not kernels:
         return "varlen", f"{stateful}: packed, their varlen kernels restart it at each trace"
     missing = (
@@ -220,15 +248,8 @@ def load_policy(cfg: PolicyConfig, mixed_precision: str) -> Policy:
             peft_model = PeftModel.from_pretrained(base, str(cfg.adapter), is_trainable=True)
         else:
             targets = list(cfg.lora_targets)
-            if targets == ["all-linear"]:  # resolved here to leaf names (q_proj, ...), the form vLLM expects
-                head = base.get_output_embeddings()  # type: ignore[no-untyped-call]
-                targets = sorted(
-                    {
-                        n.rsplit(".", 1)[-1]
-                        for n, m in base.get_decoder().named_modules()  # type: ignore[no-untyped-call]
-                        if isinstance(m, torch.nn.Linear) and m is not head
-                    }
-                )
+            if targets == ["all-linear"]:
+                targets = lora_target_names(base)
             lora = LoraConfig(
                 r=cfg.lora_r,
                 lora_alpha=cfg.lora_alpha,

@@ -137,14 +137,6 @@ FULL = Sizes(trace=2048, prompt=1024, traces=16, micro_batch=8192, long=(8192, 3
 SMALL = Sizes(trace=64, prompt=32, traces=8, micro_batch=256, long=(256, 1024))
 
 
-def lora_targets(base: Any) -> list[str]:
-    """What grpo.py's --lora-targets all-linear resolves to (train/policy.py's load_policy): the leaf names of every
-    linear layer of the decoder, the output layer aside."""
-    head = base.get_output_embeddings()
-    linear = (n for n, m in base.get_decoder().named_modules() if isinstance(m, torch.nn.Linear) and m is not head)
-    return sorted({n.rsplit(".", 1)[-1] for n in linear})
-
-
 def build_policy(family: str, shape: dict[str, Any], device: torch.device, micro_batch: int) -> tuple[Any, Any]:
     """(policy.Policy over a random ``family`` model ("qwen3", "qwen3.5") of ``shape`` in bf16 with grpo.py's LoRA,
     its grpo.Config); the policy chooses its batching from the model, as in training."""
@@ -162,7 +154,9 @@ def build_policy(family: str, shape: dict[str, Any], device: torch.device, micro
     with torch.device(device):
         base = model_class(config).to(torch.bfloat16)
     base.activation_checkpointing_enable({"use_reentrant": False})
-    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=lora_targets(base), task_type="CAUSAL_LM")
+    lora = LoraConfig(
+        r=16, lora_alpha=32, lora_dropout=0.0, target_modules=policy.lora_target_names(base), task_type="CAUSAL_LM"
+    )
     with warnings.catch_warnings():  # peft reads is_gradient_checkpointing, which transformers 5 deprecates
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
         peft_model = get_peft_model(base, lora)
