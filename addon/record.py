@@ -4,9 +4,10 @@ This module is the single source of truth for the format. Standard library only.
 
 Files
 -----
-Records go to ``<polar_dir>/capture-<UTC start>-<pid>[.<n>].jsonl``. Each mitmdump process writes its
-own files, opened with ``O_EXCL`` (never overwritten, never truncated) and mode 0600; a file is
-rotated to the next ``.<n>`` name once it passes ``polar_rotate_mb``. Readers take every
+Records go to ``<polar_dir>/capture-<UTC start>-<pid>-<8 random hex>[.<n>].jsonl`` (the random part keeps
+names of proxies on different hosts or containers apart; files of earlier versions lack it and are read alike).
+Each mitmdump process writes its own files, opened with ``O_EXCL`` (never overwritten, never truncated)
+and mode 0600; a file is rotated to the next ``.<n>`` name once it passes ``polar_rotate_mb``. Readers take every
 ``*.jsonl`` under the folder. Lines end with ``\\n``; split on that byte only (JSON strings may hold
 U+2028, which ``str.splitlines`` would also split on). A ``kill -9`` can leave a torn last line:
 readers skip a line that does not parse and count it.

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -83,7 +84,10 @@ class CaptureWriter:
         self._give_up_at: float | None = None  # set by close(): past it, each write gets one try
         self._fd: int | None = None
         self._size = 0
-        self._stem = time.strftime("capture-%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
+        # The pid and the second are not unique across hosts and containers (a container's proxy is often pid 1):
+        # a random part is, so that the folders of several nodes can be read, or copied, together.
+        start = time.strftime("capture-%Y%m%dT%H%M%SZ", time.gmtime())
+        self._stem = f"{start}-{os.getpid()}-{secrets.token_hex(4)}"
         self._part = 0
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="polar-writer", daemon=True)

@@ -4,7 +4,8 @@
 
 A person or a tool that reads the wire as it was reads the output: each input file becomes one file of the same name
 in FOLDER, its v1 records copied as they are and its v2 records expanded, byte for byte the v1 line the writer would
-have written for that call. What cannot be expanded is left out and counted: a torn last line, a v2 line that does
+have written for that call. A file already in FOLDER is never replaced: the run is refused before it writes anything.
+What cannot be expanded is left out and counted: a torn last line, a v2 line that does
 not parse or fails its checksum (corrupt), and a v2 record whose base record was torn or lost (unresolved).
 """
 
@@ -39,12 +40,23 @@ def expand_captures(captures: list[Path], output: Path) -> ExpandCounts:
         raise ConfigError(f"{output}: the output folder holds capture files it would overwrite; give another")
     counts = ExpandCounts(files=len(files))
     names: set[str] = set()
-    for path in files:
+    for path in files:  # every refusal comes before the first write: a refused run writes nothing
         if path.name in names:
-            raise ConfigError(f"{path}: two capture files named {path.name}; expand their folders one at a time")
+            raise ConfigError(
+                f"{path}: two capture files named {path.name}; expand each of their folders into its own -o folder"
+            )
         names.add(path.name)
+        if (output / path.name).exists():
+            raise ConfigError(
+                f"{output / path.name} exists, not written by this run: expand into a new -o folder (nothing "
+                "is replaced)"
+            )
+    for path in files:
         lines = _expanded(path, counts)
-        write_atomic(output / path.name, b"".join(line + b"\n" for line in lines))
+        try:
+            write_atomic(output / path.name, b"".join(line + b"\n" for line in lines), replace=False)
+        except FileExistsError as e:  # made by someone else since the check above
+            raise ConfigError(f"{output / path.name} appeared while expanding; it was left as it is") from e
     return counts
 
 

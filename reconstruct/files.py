@@ -22,9 +22,10 @@ import polars as pl
 __all__ = ["conform_table", "read_versioned_parquet", "write_atomic", "write_versioned_parquet"]
 
 
-def write_atomic(path: Path, content: bytes | Callable[[Path], None]) -> Path:
+def write_atomic(path: Path, content: bytes | Callable[[Path], None], *, replace: bool = True) -> Path:
     """Write ``content`` (bytes, or a function that writes the file at the path it is given) to ``path``
-    atomically, creating its folder; the temporary file is removed if the write fails."""
+    atomically, creating its folder; the temporary file is removed if the write fails. ``replace=False``:
+    ``FileExistsError`` if ``path`` exists, even one made while this was writing (a hard link never replaces)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -35,7 +36,11 @@ def write_atomic(path: Path, content: bytes | Callable[[Path], None]) -> Path:
         else:
             os.close(fd)
             content(Path(tmp))
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)
+            os.unlink(tmp)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -1,10 +1,12 @@
 """reconstruct/__main__.py: the three commands, in process (main(argv)) and once as ``python -m reconstruct``."""
 
 import json
+import os
 import random
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -177,3 +179,35 @@ def test_default_jobs_start_workers_for_less_v2_than_v1(tmp_path, monkeypatch):
     assert _auto_jobs((tmp_path / "v1",)) == 1
     assert _auto_jobs((tmp_path / "v2",)) == 4
     assert _auto_jobs((tmp_path / "v1", tmp_path / "v2")) == 4
+
+
+def test_issue37_expand_never_replaces_a_file_it_did_not_write(tmp_path, capsys):
+    rng = random.Random(1)
+    node_a = write_capture(tmp_path / "nodeA", session(rng, 10), 2)
+    node_b = write_capture(tmp_path / "nodeB", session(rng, 3, sid="s2"), 2)
+    name = "capture-20261203T120000Z-7.jsonl"  # two proxies, both pid 7, started in the same second
+    node_a, node_b = node_a.rename(node_a.with_name(name)), node_b.rename(node_b.with_name(name))
+    out = tmp_path / "out"
+    assert main(["expand", str(tmp_path / "nodeA"), str(tmp_path / "nodeB"), "-o", str(out)]) == 2
+    assert "expand each of their folders into its own -o folder" in capsys.readouterr().err
+    assert not out.exists()
+    assert main(["expand", str(tmp_path / "nodeA"), "-o", str(out)]) == 0
+    expanded = (out / name).read_bytes()
+    assert expanded.count(b"\n") == 10
+    assert main(["expand", str(tmp_path / "nodeB"), "-o", str(out)]) == 2  # was 0, leaving nodeB's 3 records
+    assert f"{out / name} exists, not written by this run" in capsys.readouterr().err
+    assert (out / name).read_bytes() == expanded
+    assert main(["expand", str(tmp_path / "nodeB"), "-o", str(tmp_path / "out-b")]) == 0
+    assert (tmp_path / "out-b" / name).read_bytes().count(b"\n") == 3  # 13 records, none lost
+
+
+def test_issue37_two_proxies_with_one_pid_in_one_second_write_different_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "getpid", lambda: 1)  # each in its own container
+    monkeypatch.setattr(time, "gmtime", lambda *_: time.struct_time((2026, 12, 3, 12, 0, 0, 3, 337, 0)))
+    rng = random.Random(2)
+    first = write_capture(tmp_path / "nodeA", session(rng, 2), 2)
+    second = write_capture(tmp_path / "nodeB", session(rng, 2, sid="s2"), 2)
+    assert first.name.startswith("capture-20261203T120000Z-1-") and second.name.startswith(
+        "capture-20261203T120000Z-1-"
+    )
+    assert first.name != second.name
