@@ -256,6 +256,7 @@ def main(cfg: Config) -> None:
     if accelerator.state.deepspeed_plugin is not None:  # no dataloader for DeepSpeed to read a batch size from
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
     policy, optimizer = accelerator.prepare(policy, optimizer)
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # FSDP2 replaced them with their shards
     if accelerator.is_main_process:
         cfg.output.mkdir(parents=True, exist_ok=True)
         (cfg.output / "config.yaml").write_text(runtime.config_yaml(cfg))
