@@ -315,6 +315,7 @@ def main(cfg: Config) -> None:
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
     policy, optimizer = accelerator.prepare(policy, optimizer)
     trainable = [p for p in policy.parameters() if p.requires_grad]  # FSDP2 replaced them with their shards
+    runtime.print_placement(accelerator, policy)
     progress = runtime.Progress(plan=fingerprint)
     accelerator.register_for_checkpointing(scheduler, progress)  # the scheduler steps once per optimizer step
     accelerator.register_save_state_pre_hook(runtime.keep_trainable_weights)

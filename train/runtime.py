@@ -24,6 +24,8 @@ import tyro
 import yaml
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from train import launch
 from train.data import DataError, MicroBatch, Rollout
@@ -44,6 +46,7 @@ __all__ = [
     "micro_steps",
     "parse_config",
     "perf",
+    "print_placement",
     "run",
     "save_adapter",
     "save_checkpoint",
@@ -187,7 +190,11 @@ def config_yaml(cfg: DataclassInstance) -> str:
 
 def save_adapter(accelerator: Accelerator, policy: torch.nn.Module, directory: Path, cfg: DataclassInstance) -> None:
     """PEFT adapter directory + config.yaml. Every rank calls it (gathering FSDP/ZeRO-3 shards is collective)."""
-    state = accelerator.get_state_dict(policy)
+    if accelerator.is_fsdp2:  # the trained weights' shards only, gathered to the main process: not the base model
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+        state = get_model_state_dict(policy, options=options)
+    else:
+        state = accelerator.get_state_dict(policy)
     if accelerator.is_main_process:
         peft_model = accelerator.unwrap_model(policy).peft
         peft_model.save_pretrained(str(directory), state_dict={k.removeprefix("peft."): v for k, v in state.items()})
@@ -285,11 +292,30 @@ def _end_processes() -> None:
 
 def start(cfg: DataclassInstance, seed: int) -> Accelerator:
     """The run's Accelerator as the user launched it (``launch.accelerator``: a GPU config on a CPU box runs on
-    gloo), every RNG seeded, and the config printed as a table by the main process."""
+    gloo, DDP as DDP and FSDP as FSDP2), every RNG seeded, and the config printed as a table by the main process."""
     accelerator = launch.accelerator()
     set_seed(seed)
     accelerator.print("\n".join(f"{k:>22} | {v}" for k, v in dataclasses.asdict(cfg).items()))
     return accelerator
+
+
+def print_placement(accelerator: Accelerator, model: torch.nn.Module) -> None:
+    """One line from every rank, after ``accelerator.prepare``: how the run is distributed and how many bytes of the
+    model's parameters this rank holds, so a log shows whether a sharded config really shards (FSDP2 holds its
+    shard of each weight, a DTensor placed Shard(0); DDP and one process hold all of them)."""
+    here = everywhere = 0
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p  # a DTensor's numel is the whole weight's
+        here, everywhere = here + local.numel() * local.element_size(), everywhere + p.numel() * p.element_size()
+    kind = "FSDP2" if accelerator.is_fsdp2 else accelerator.distributed_type.value  # MULTI_CPU, MULTI_GPU, NO, ...
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "no process group"
+    held = "sharded" if here < everywhere else "all of it"
+    print(
+        f"rank {accelerator.process_index} of {accelerator.num_processes} ({kind}, {backend}, "
+        f"{accelerator.device.type}): {here / 2**20:,.2f} of the model's {everywhere / 2**20:,.2f} MiB of "
+        f"parameters on this rank ({held})",
+        flush=True,
+    )
 
 
 def data_counts(rollout: Rollout, cut: dict[str, int]) -> dict[str, float]:
@@ -319,7 +345,11 @@ def clip_and_reduce(
 ) -> tuple[float, float, bool]:
     """After a step's backward passes (called by every rank): clip the global gradient norm, sum the loss over
     ranks, and say whether the step may be taken, ``(loss, grad_norm, finite)``. DeepSpeed reports no norm here
-    (its engine has already stepped): then only the loss is checked."""
+    (its engine has already stepped): then only the loss is checked. ``trainable`` are the parameters as
+    ``accelerator.prepare`` left them: FSDP2 replaces each with its shard, and the ones it replaced get no gradient,
+    so their norm would be 0 and nothing clipped."""
+    if accelerator.is_fsdp2 and not all(isinstance(p, DTensor) for p in trainable):
+        raise RuntimeError("clip_and_reduce got parameters from before accelerator.prepare: take them after it")
     norm = accelerator.clip_grad_norm_(trainable, grad_clip or math.inf)
     grad_norm = float(norm) if norm is not None else math.nan
     loss = float(accelerator.reduce(torch.tensor(loss, device=accelerator.device, dtype=torch.float64), "sum"))
@@ -330,6 +360,6 @@ def clip_and_reduce(
 def perf(accelerator: Accelerator, mbs: list[MicroBatch], seconds: float) -> dict[str, float]:
     """A step's speed (called by every rank): its seconds, and the tokens its forward passes read on every rank
     together (padding passes of idle ranks left out) in all and per second."""
-    mine = torch.tensor(sum(mb.input_ids.shape[1] for mb in mbs if len(mb.sel)), device=accelerator.device)
+    mine = torch.tensor(sum(mb.input_ids.numel() for mb in mbs if len(mb.sel)), device=accelerator.device)
     tokens = int(accelerator.reduce(mine, "sum").item())
     return {"perf/step_s": seconds, "perf/tokens": tokens, "perf/tokens_per_s": tokens / seconds}

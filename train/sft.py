@@ -257,6 +257,7 @@ def main(cfg: Config) -> None:
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
     policy, optimizer = accelerator.prepare(policy, optimizer)
     trainable = [p for p in policy.parameters() if p.requires_grad]  # FSDP2 replaced them with their shards
+    runtime.print_placement(accelerator, policy)
     if accelerator.is_main_process:
         cfg.output.mkdir(parents=True, exist_ok=True)
         (cfg.output / "config.yaml").write_text(runtime.config_yaml(cfg))
