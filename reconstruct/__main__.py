@@ -117,7 +117,8 @@ class Expand:
     captures: tyro.conf.Positional[tuple[Path, ...]]
     """Capture files, or folders whose *.jsonl files are all read."""
     output: Annotated[Path, tyro.conf.arg(aliases=("-o",))]
-    """Folder to write the files into, each under its own name (not a folder the captures are in)."""
+    """Folder to write the files into, each under its own name (not a folder the captures are in). A file already
+    there is never replaced: the run is refused before it writes anything."""
 
 
 def build(config: Build) -> None:

@@ -12,6 +12,7 @@ trajectory table (``reconstruct.schema``) and the stats file are written here; e
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from collections.abc import Callable, Sequence
@@ -25,7 +26,8 @@ __all__ = ["conform_table", "read_versioned_parquet", "write_atomic", "write_ver
 def write_atomic(path: Path, content: bytes | Callable[[Path], None], *, replace: bool = True) -> Path:
     """Write ``content`` (bytes, or a function that writes the file at the path it is given) to ``path``
     atomically, creating its folder; the temporary file is removed if the write fails. ``replace=False``:
-    ``FileExistsError`` if ``path`` exists, even one made while this was writing (a hard link never replaces)."""
+    ``FileExistsError`` if ``path`` exists, even one made while this was writing (a hard link never replaces; on a
+    file system without hard links the name is first taken with ``O_EXCL``, and is empty until renamed over)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -39,12 +41,28 @@ def write_atomic(path: Path, content: bytes | Callable[[Path], None], *, replace
         if replace:
             os.replace(tmp, path)
         else:
-            os.link(tmp, path)
-            os.unlink(tmp)
+            _link_new(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _link_new(tmp: str, path: Path) -> None:
+    """``tmp`` renamed to ``path``, which must not exist: ``FileExistsError`` if it does."""
+    try:
+        os.link(tmp, path)
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):  # EPERM: no hard links on this file system
+            raise
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # the name is ours from here on
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            path.unlink(missing_ok=True)  # the empty file this made, no one else's
+            raise
+    else:
+        os.unlink(tmp)
 
 
 def write_versioned_parquet(table: pl.DataFrame, path: Path, version_key: str, version: int) -> Path:

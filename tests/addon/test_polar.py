@@ -1,6 +1,8 @@
 """The addon's hooks, called directly as mitmproxy's own addon tests do."""
 
 import json
+import os
+import re
 import secrets
 import time
 
@@ -203,6 +205,24 @@ def test_files_are_private_and_rotate(addon, tctx, tmp_path):
     assert all(f.stat().st_mode & 0o777 == 0o600 for f in files)
     assert (tmp_path / "captures").stat().st_mode & 0o777 == 0o700
     assert len(read_records(tmp_path / "captures")) == 4
+
+
+def test_issue37_two_proxies_with_one_pid_started_in_one_second_name_their_files_apart(
+    addon, tctx, tmp_path, monkeypatch
+):
+    # Two nodes' proxies, each pid 1 in its own container, started in the same second: their folders are then
+    # read, or copied, together. Each configure makes a new writer, as a proxy starting.
+    monkeypatch.setattr(os, "getpid", lambda: 1)
+    monkeypatch.setattr(time, "gmtime", lambda *_: time.struct_time((2026, 12, 3, 12, 0, 0, 3, 337, 0)))
+    for node in ("nodeA", "nodeB"):
+        tctx.configure(addon, polar_dir=str(tmp_path / node))  # closes the previous writer, files flushed
+        run_exchange(addon, make_chat_flow(), [b"{}"])
+    addon.done()
+    (a,), (b,) = (sorted((tmp_path / node).glob("*.jsonl")) for node in ("nodeA", "nodeB"))
+    assert a.name != b.name  # was capture-20261203T120000Z-1.jsonl twice
+    for f in (a, b):
+        assert re.fullmatch(r"capture-20261203T120000Z-1-[0-9a-f]{8}\.jsonl", f.name)
+        assert len(read_records(f.parent)) == 1
 
 
 def test_bad_options_are_refused(addon, tctx):

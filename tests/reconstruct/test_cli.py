@@ -1,12 +1,10 @@
 """reconstruct/__main__.py: the three commands, in process (main(argv)) and once as ``python -m reconstruct``."""
 
 import json
-import os
 import random
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -201,13 +199,20 @@ def test_issue37_expand_never_replaces_a_file_it_did_not_write(tmp_path, capsys)
     assert (tmp_path / "out-b" / name).read_bytes().count(b"\n") == 3  # 13 records, none lost
 
 
-def test_issue37_two_proxies_with_one_pid_in_one_second_write_different_files(tmp_path, monkeypatch):
-    monkeypatch.setattr(os, "getpid", lambda: 1)  # each in its own container
-    monkeypatch.setattr(time, "gmtime", lambda *_: time.struct_time((2026, 12, 3, 12, 0, 0, 3, 337, 0)))
-    rng = random.Random(2)
-    first = write_capture(tmp_path / "nodeA", session(rng, 2), 2)
-    second = write_capture(tmp_path / "nodeB", session(rng, 2, sid="s2"), 2)
-    assert first.name.startswith("capture-20261203T120000Z-1-") and second.name.startswith(
-        "capture-20261203T120000Z-1-"
-    )
-    assert first.name != second.name
+def test_issue37_expand_leaves_a_file_that_appears_while_it_runs(tmp_path, capsys, monkeypatch):
+    from reconstruct import _expand
+
+    capture = write_capture(tmp_path / "node", session(random.Random(3), 2), 2)
+    out = tmp_path / "out"
+    real = _expand._expanded
+
+    def meanwhile(path, counts):  # another expand into the same folder, between the check and the write
+        (out / path.name).parent.mkdir(parents=True, exist_ok=True)
+        (out / path.name).write_bytes(b"theirs\n")
+        return real(path, counts)
+
+    monkeypatch.setattr(_expand, "_expanded", meanwhile)
+    assert main(["expand", str(capture), "-o", str(out)]) == 2
+    assert f"{out / capture.name} appeared while expanding; it was left as it is" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == [capture.name]  # no temporary file left either
+    assert (out / capture.name).read_bytes() == b"theirs\n"
