@@ -20,6 +20,15 @@ reading (a stop string, a client that hung up): the batch is compacted before it
 ``max_batch`` rows run; further requests wait. An error in a forward pass reaches the requests of that forward as
 an exception; the scheduler carries on with the others.
 
+Linear attention (Qwen3.5, the seed's family: three Gated DeltaNet layers to one of full attention). Such a layer
+keeps no KV per token but two fixed-size states per row, the causal convolution's last inputs and the recurrent
+state, which sum up every token of the row. A joining row's states, computed alone with no padding, are stacked on
+the batch dim beside the others', and sliced out when rows leave; the left padding stays in the full-attention
+layers, as transformers gives linear attention no padding mask on single-token forwards, so a decode step updates
+each row's states from its own token alone. Log-probs match one forward over the whole sequence to float noise
+(about 1e-6 on the tiny Qwen3.5, tests/eval/upstream/test_engine_linear_attention.py). Sliding-window layers, whose
+KV drops old tokens, are refused.
+
 Prefix caching (vLLM's automatic prefix caching, simplified). An agent session's every prompt is the previous one
 plus the answer and a tool result, and sessions share a system prompt, so most of a prompt's KV was computed before.
 The scheduler keeps the KV of each prompt once prefilled, and of each row when it leaves the batch (finished or
@@ -30,6 +39,13 @@ the entry sharing the longest common prefix with its prompt, sliced to that pref
 its logits are kept too, so a repeated prompt needs no forward and gets exactly what the first one got). Entries
 serve only requests of the same adapter, and loading or unloading an adapter retires its entries. Outputs match a
 run without the cache up to float noise: a prefill split in two sums in another order (log-probs within 1e-4).
+
+A linear-attention state exists only at the end of what was fed and cannot be cut back to a shorter prefix, so with
+such layers an entry keeps their states at points: the end of each prompt prefilled (with its logits) and the end
+of the row that left. A prompt resumes only from a point within what it shares with the entry: an agent session's
+next call (its prompt extends the last prompt and answer) and a repeated prompt do, but sessions sharing only a
+system prompt prefill it each (no point lies there). Each point's states take as much of the token budget as the
+KV of as much memory would: 72 tokens on the tiny Qwen3.5, 816 on Qwen3.5-4B.
 """
 
 from __future__ import annotations
@@ -52,14 +68,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 import torch.nn.functional as F
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionLayer
 
 from eval.upstream.toolparse import Event, OutputParser, StopStrings
 
 __all__ = ["Detokenizer", "Engine", "Piece", "PrefixCache", "Sampling", "generate"]
 
 _STATS_EVERY_S = 30.0  # how often at most the scheduler logs the prefix cache's counters
-_KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values (1, kv_heads, T, head_dim)
+# One layer of a cache, batch first: a full-attention layer's keys and values (B, kv_heads, T, head_dim), or a linear-
+# attention layer's convolution state (B, conv_dim, kernel) and recurrent state (B, heads, k_dim, v_dim).
+_Layer = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclasses.dataclass
@@ -124,9 +142,9 @@ class _Sequence:
 
 
 class _GrowingLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transformers' __init_subclass__
-    """One layer's KV with spare columns after its tokens, so that a decode step writes its token in place:
-    DynamicLayer concatenates, copying the whole layer on every step, a cost that grows with the context and the
-    rows of the batch. ``keys`` and ``values`` are views of the tokens held; ``replace`` swaps in new contents."""
+    """One full-attention layer's KV with spare columns after its tokens, so that a decode step writes its token in
+    place: DynamicLayer concatenates, copying the whole layer on every step, a cost that grows with the context and
+    the rows of the batch. ``keys`` and ``values`` are views of the tokens held; ``replace`` swaps in new contents."""
 
     keys: torch.Tensor  # never None here, unlike in DynamicLayer before its first update
     values: torch.Tensor
@@ -153,6 +171,66 @@ class _GrowingLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transform
         self.keys, self.values = self._keys[:, :, : n + t], self._values[:, :, : n + t]
         return self.keys, self.values
 
+    def stacked(self, theirs: _Layer, length: int) -> _Layer:
+        """These rows' KV and another row's (keys, values: (1, kv_heads, T, head_dim)), each left-padded with zeros
+        to ``length`` tokens, which the batch's mask hides."""
+        keys, values = theirs
+        return _stack_left_padded(self.keys, keys, length, 2), _stack_left_padded(self.values, values, length, 2)
+
+    def selected(self, index: torch.Tensor, start: int) -> _Layer:
+        """The KV of the rows at ``index``, from column ``start`` on."""
+        return self.keys.index_select(0, index)[:, :, start:], self.values.index_select(0, index)[:, :, start:]
+
+    def row(self, i: int, n: int) -> _Layer:
+        """A copy of row ``i``'s KV, its last ``n`` columns (the padding is on the left): not a view, which would keep
+        the whole batch's tensors alive."""
+        copy = {"memory_format": torch.contiguous_format}
+        return self.keys[i : i + 1, :, -n:].clone(**copy), self.values[i : i + 1, :, -n:].clone(**copy)
+
+
+class _StateLayer(LinearAttentionLayer):
+    """One linear-attention layer's states for the rows of a batch (Qwen3.5's Gated DeltaNet): the causal
+    convolution's last inputs (B, conv_dim, kernel) and the recurrent state (B, heads, k_dim, v_dim). Each row's
+    states sum up all of its own tokens, so rows stack on the batch dim with no padding. The batch's mask, whose
+    left padding is for full attention, never reaches them: transformers gives linear attention no padding mask on
+    single-token forwards (masking_utils.create_recurrent_attention_mask), and a decode step updates both states in
+    place from the row's own token alone."""
+
+    def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        super().__init__()
+        # Copies: a forward updates them in place, and the tensors given may belong to a prefix cache entry.
+        self.replace(conv.clone(), recurrent.clone())
+
+    def replace(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        self.conv_states[0], self.recurrent_states[0] = conv, recurrent
+        self.is_conv_states_initialized[0] = self.is_recurrent_states_initialized[0] = True
+        self.has_previous_state[0] = True  # what the model checks to continue from them rather than start afresh
+        self.conv_kernel_size[0] = conv.shape[-1]
+
+    def stacked(self, theirs: _Layer, length: int) -> _Layer:
+        """These rows' states and another row's; ``length`` is for full attention: states have no token dim."""
+        conv, recurrent = _tensors(self)
+        return torch.cat([conv, theirs[0]]), torch.cat([recurrent, theirs[1]])
+
+    def selected(self, index: torch.Tensor, start: int) -> _Layer:
+        """The states of the rows at ``index``; ``start`` is for full attention."""
+        conv, recurrent = _tensors(self)
+        return conv.index_select(0, index), recurrent.index_select(0, index)
+
+    def row(self, i: int, n: int) -> _Layer:
+        """A copy of row ``i``'s states, those after all its ``n`` tokens."""
+        conv, recurrent = _tensors(self)
+        return conv[i : i + 1].clone(), recurrent[i : i + 1].clone()
+
+
+def _tensors(layer: Any) -> _Layer:
+    """A cache layer's contents (see ``_Layer``), batch first."""
+    if isinstance(layer, LinearAttentionLayer):
+        conv, recurrent = layer.conv_states[0], layer.recurrent_states[0]
+        assert conv is not None and recurrent is not None  # Gated DeltaNet sets both on every forward
+        return conv, recurrent
+    return layer.keys, layer.values
+
 
 class _OutputLayer(torch.nn.Module):
     """A bias-free output layer computing W @ h^T where nn.Linear computes h @ W^T: the same logits up to float
@@ -169,12 +247,16 @@ class _OutputLayer(torch.nn.Module):
 
 
 class _Batch:
-    """The running rows of one adapter: one KV cache, left-padded to a common length, and its padding mask."""
+    """The running rows of one adapter: one cache, its full-attention KV left-padded to a common length, with the
+    padding mask; linear-attention states one per row."""
 
     def __init__(self, seq: _Sequence, cache: Any) -> None:
         self.rows = [seq]
-        # layers[i].keys / .values: (B, kv_heads, L, head_dim); the cache the model reads holds the same layers
-        self.layers = [_GrowingLayer(x.keys, x.values) for x in cache.layers]
+        # the cache the model reads holds these layers, replaced in place as rows come and go
+        self.layers = [
+            _StateLayer(*_tensors(x)) if isinstance(x, LinearAttentionLayer) else _GrowingLayer(x.keys, x.values)
+            for x in cache.layers
+        ]
         self.cache = Cache(layers=[*self.layers])
         self.mask = torch.ones(1, cache.get_seq_length(), dtype=torch.long)  # (B, L): 0 on left padding
 
@@ -182,25 +264,21 @@ class _Batch:
         """Appends a prefilled row (its cache: batch of 1). Every tensor is built before any is replaced, so a
         failure leaves the batch as it was."""
         length = max(self.mask.shape[1], cache.get_seq_length())
-        layers = list(zip(self.layers, cache.layers, strict=True))
-        keys = [_stack_left_padded(mine.keys, theirs.keys, length, 2) for mine, theirs in layers]
-        values = [_stack_left_padded(mine.values, theirs.values, length, 2) for mine, theirs in layers]
+        stacked = [
+            mine.stacked(_tensors(theirs), length) for mine, theirs in zip(self.layers, cache.layers, strict=True)
+        ]
         ones = torch.ones(1, cache.get_seq_length(), dtype=torch.long)  # (1, T)
         mask = _stack_left_padded(self.mask, ones, length, 1)
-        for layer, layer_keys, layer_values in zip(self.layers, keys, values, strict=True):
-            layer.replace(layer_keys, layer_values)  # (B + 1, kv_heads, length, head_dim)
+        for layer, tensors in zip(self.layers, stacked, strict=True):
+            layer.replace(*tensors)  # B + 1 rows
         self.mask = mask  # (B + 1, length)
         self.rows.append(seq)
 
-    def row_kv(self, i: int) -> tuple[int, _KV]:
-        """Row ``i``'s token count and a copy of its KV per layer (keys, values: (1, kv_heads, n, head_dim)); its
-        tokens are the last n columns, the padding being on the left. A copy, not a view that would keep the whole
-        batch's tensors alive."""
+    def row_cache(self, i: int) -> tuple[int, list[_Layer]]:
+        """Row ``i``'s token count n (all it was fed) and a copy of its cache per layer: its KV, the last n columns,
+        or its states, which follow those n tokens."""
         n = int(self.mask[i].sum())
-        copy = {"memory_format": torch.contiguous_format}
-        return n, [
-            (x.keys[i : i + 1, :, -n:].clone(**copy), x.values[i : i + 1, :, -n:].clone(**copy)) for x in self.layers
-        ]
+        return n, [layer.row(i, n) for layer in self.layers]
 
     def keep(self, rows: list[int]) -> None:
         """Keeps only the rows at these indices, then drops the padding columns that no remaining row needs."""
@@ -214,10 +292,7 @@ class _Batch:
         start = int(mask.any(0).nonzero()[0])  # the first column a remaining row uses
         self.mask = mask[:, start:]  # (B', L')
         for layer in self.layers:
-            # (B', kv_heads, L', head_dim)
-            layer.replace(
-                layer.keys.index_select(0, index)[:, :, start:], layer.values.index_select(0, index)[:, :, start:]
-            )
+            layer.replace(*layer.selected(index, start))  # B' rows, L' columns of KV
 
 
 def _stack_left_padded(a: torch.Tensor, b: torch.Tensor, length: int, seq_dim: int) -> torch.Tensor:
@@ -230,8 +305,16 @@ def _stack_left_padded(a: torch.Tensor, b: torch.Tensor, length: int, seq_dim: i
 class _Entry:
     model: tuple[str | None, int]  # (adapter, its load count when the KV was computed); (None, 0): the base model
     ids: torch.Tensor  # (T,) the token ids whose KV is held
-    kv: _KV
+    kv: list[_Layer]  # per full-attention layer: keys, values (1, kv_heads, T, head_dim), good for any prefix
+    # n -> per linear-attention layer: its states after ids[:n]. A state sums up every token before it and cannot be
+    # cut back, so with such layers an entry serves only from these points; empty without them.
+    states: dict[int, list[_Layer]]
     logits: dict[int, torch.Tensor]  # prompt length n -> the logits (1, V) after ids[:n], for prompts ending there
+    state_tokens: int  # what one point of states costs in the budget: as many tokens as take its memory in KV
+
+    @property
+    def cost(self) -> int:
+        return len(self.ids) + self.state_tokens * len(self.states)
 
 
 class PrefixCache:
@@ -240,69 +323,99 @@ class PrefixCache:
     the counters are for tests and the stats line.
 
     Each prompt's logits after its last token are kept too, so a prompt seen before (a GRPO group's samples, a
-    retried call) needs no forward pass at all and gets exactly what the first got."""
+    retried call) needs no forward pass at all and gets exactly what the first got.
 
-    def __init__(self, max_tokens: int) -> None:
+    ``linear_layers`` says which of the model's layers are linear attention (Qwen3.5's Gated DeltaNet: fixed-size
+    states, see ``_Entry.states``); their states at a point count in the budget as the tokens whose KV would take
+    the same memory."""
+
+    def __init__(self, max_tokens: int, linear_layers: list[bool]) -> None:
         if max_tokens < 0:
             raise ValueError(f"the prefix cache's token budget must be at least 0 (0: off), not {max_tokens}")
         self.max_tokens = max_tokens
+        self.linear_layers = linear_layers
         self.entries: list[_Entry] = []  # least recently used first; none is a prefix of another of its model
-        self.tokens = 0  # held by all entries
         self.prompts = self.hits = 0  # prefills; those that started from a cached prefix
         self.reused_tokens = self.prefilled_tokens = 0  # prompt tokens taken from the cache; run through the model
 
-    def match(self, model: tuple[str | None, int], prompt_ids: list[int]) -> tuple[int, Any, torch.Tensor | None]:
-        """The longest cached prefix of the prompt: its length n, a DynamicCache holding its KV, and the logits
-        after it when it is the whole prompt (else n < len(prompt_ids): the rest needs a forward pass); or
-        (0, None, None). Counts the prompt's tokens as reused or to prefill."""
-        from transformers import DynamicCache
+    @property
+    def tokens(self) -> int:
+        """Held by all entries, their states' points included."""
+        return sum(entry.cost for entry in self.entries)
 
+    def match(self, model: tuple[str | None, int], prompt_ids: list[int]) -> tuple[int, Any, torch.Tensor | None]:
+        """The longest cached prefix of the prompt that an entry can resume from: its length n, a cache holding its
+        KV (and states), and the logits after it when it is the whole prompt (else n < len(prompt_ids): the rest
+        needs a forward pass); or (0, None, None). Counts the prompt's tokens as reused or to prefill."""
         ids = torch.tensor(prompt_ids)  # (T,)
-        best, score = None, (0, False)
+        best, n = None, 0
         for entry in self.entries:
             if entry.model == model:
-                common = _common_prefix(entry.ids, ids)
-                if (common, common == len(ids) and common in entry.logits) > score:
-                    best, score = entry, (common, common == len(ids) and common in entry.logits)
-        n, whole = score
-        n = n if whole else min(n, len(prompt_ids) - 1)  # without its logits, the last token runs through the model
+                resume = self._resume_point(entry, _common_prefix(entry.ids, ids), len(prompt_ids))
+                if resume > n:
+                    best, n = entry, resume
         self.prompts += 1
-        self.prefilled_tokens += len(prompt_ids) - max(n, 0)
-        if best is None or n <= 0:
+        self.prefilled_tokens += len(prompt_ids) - n
+        if best is None:
             return 0, None, None
         self._touch(best)
         self.hits += 1
         self.reused_tokens += n
-        # DynamicCache copies the slices, so the forward's appends never reach the entry.
-        cache = DynamicCache(ddp_cache_data=[(keys[:, :, :n], values[:, :, :n]) for keys, values in best.kv])
-        return n, cache, best.logits[n] if whole else None
+        kv, states = iter(best.kv), iter(best.states.get(n, []))
+        # Both kinds copy what they are given, so the forward's updates never reach the entry.
+        cache = Cache(
+            layers=[_StateLayer(*next(states)) if linear else _kv_layer(*next(kv), n) for linear in self.linear_layers]
+        )
+        return n, cache, best.logits[n] if n == len(prompt_ids) else None
 
-    def put(self, model: tuple[str | None, int], ids: list[int], kv: _KV, logits: torch.Tensor | None = None) -> None:
-        """Keeps ``kv``, the KV of exactly ``ids`` (and ``logits``, those after the last of them), unless an entry
-        holds them already; entries that ``ids`` extends are dropped, passing on their logits, then the least
-        recently used over budget."""
-        if not 0 < len(ids) <= self.max_tokens:
+    def _resume_point(self, entry: _Entry, common: int, length: int) -> int:
+        """How much of a prompt of ``length`` tokens, ``common`` of which start ``entry`` too, the entry can stand
+        for: all of it when it holds the logits after it; else at most all but the last token, which must run
+        through the model for its logits, and with linear-attention layers only a point where it holds their
+        states."""
+        if common == length and length in entry.logits:
+            return length
+        if not any(self.linear_layers):
+            return max(min(common, length - 1), 0)
+        return max((n for n in entry.states if n <= min(common, length - 1)), default=0)
+
+    def put(
+        self, model: tuple[str | None, int], ids: list[int], layers: list[_Layer], logits: torch.Tensor | None = None
+    ) -> None:
+        """Keeps ``layers``, the cache of exactly ``ids`` (and ``logits``, those after the last of them), unless an
+        entry holds them already (it then takes the states at their end, if it lacks them); entries that ``ids``
+        extends are dropped, passing on their logits and the states at those points, then the least recently used
+        over budget. The states where a row left, which hold no logits, are not passed on: the prompt that extends
+        them was prefilled from them, and its own end is the point its session goes on from."""
+        kv = [x for x, linear in zip(layers, self.linear_layers, strict=True) if not linear]
+        states = [x for x, linear in zip(layers, self.linear_layers, strict=True) if linear]
+        state_tokens = _state_tokens(kv, states)
+        if not 0 < len(ids) + state_tokens <= self.max_tokens:
             return
         new = torch.tensor(ids)  # (T,)
         kept = {} if logits is None else {len(ids): logits}
+        points = {len(ids): states} if states else {}
         for entry in [e for e in self.entries if e.model == model]:
             common = _common_prefix(entry.ids, new)
             if common == len(ids):  # this entry holds them, and maybe more
                 entry.logits.update(kept)
+                if states:
+                    entry.states.setdefault(len(ids), states)
                 self._touch(entry)
-                return
+                break
             if common == len(entry.ids):  # all it could give, the new one gives
                 kept.update(entry.logits)
-                self._remove(entry)
-        self.entries.append(_Entry(model, new, kv, kept))
-        self.tokens += len(ids)
+                points.update({n: s for n, s in entry.states.items() if n in entry.logits})
+                self.entries.remove(entry)
+        else:
+            self.entries.append(_Entry(model, new, kv, points, kept, state_tokens))
         while self.tokens > self.max_tokens:
-            self._remove(self.entries[0])
+            self.entries.remove(self.entries[0])
 
     def retain(self, models: set[tuple[str | None, int]]) -> None:
         """Drops the entries of any other model: adapters unloaded, or loaded again since (new weights)."""
         for entry in [e for e in self.entries if e.model not in models]:
-            self._remove(entry)
+            self.entries.remove(entry)
 
     def summary(self) -> str:
         total = self.reused_tokens + self.prefilled_tokens
@@ -316,9 +429,20 @@ class PrefixCache:
         self.entries.remove(entry)
         self.entries.append(entry)
 
-    def _remove(self, entry: _Entry) -> None:
-        self.entries.remove(entry)
-        self.tokens -= len(entry.ids)
+
+def _kv_layer(keys: torch.Tensor, values: torch.Tensor, n: int) -> DynamicLayer:
+    """A full-attention cache layer holding a copy of the first ``n`` tokens of these keys and values."""
+    layer = DynamicLayer()  # type: ignore[no-untyped-call]
+    layer.update(keys[:, :, :n], values[:, :, :n])  # concatenates to nothing: a copy
+    return layer
+
+
+def _state_tokens(kv: list[_Layer], states: list[_Layer]) -> int:
+    """How many tokens' full-attention KV take the memory of these linear-attention states (0 without them)."""
+    if not states:
+        return 0
+    per_token = sum(x[0, :, 0].numel() * x.element_size() for layer in kv for x in layer)
+    return -(-sum(x.numel() * x.element_size() for layer in states for x in layer) // per_token)
 
 
 def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -333,7 +457,8 @@ class Engine:
     tokenizer, which request threads use behind a lock."""
 
     def __init__(self, model_dir: Path, seed: int, max_batch: int = 32, prefix_cache_tokens: int = 65536) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.cache_utils import get_layer_types_and_kwargs
 
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, not {max_batch}")
@@ -344,9 +469,21 @@ class Engine:
         head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]
         if type(head) is torch.nn.Linear and head.bias is None:  # train/grpo.py's adapters leave it out, as vLLM's do
             self.model.set_output_embeddings(_OutputLayer(head.weight))
-        # Joining rows pads and concatenates whole caches, which is only right when every layer keeps all tokens.
-        if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=self.model.config).layers):
-            raise ValueError(f"{model_dir}: sliding-window or linear-attention layers cannot be batched here")
+        # Joining rows left-pads full attention's KV to a common length, and stacks linear attention's states, one
+        # per row; a sliding window drops tokens, and its KV cannot be padded into a batch this way. The tokens
+        # counted and the mask's size come from full-attention layers, so there must be one.
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(self.model.config.get_text_config(decoder=True))
+        others = set(layer_types) - {"full_attention", "linear_attention"}
+        if (
+            others
+            or "full_attention" not in layer_types
+            or any(k.get("number_of_states", 1) != 1 for k in layer_kwargs)
+        ):
+            raise ValueError(
+                f"{model_dir}: layers {sorted(set(layer_types))} cannot be batched here: only full attention, alone "
+                "or with linear attention of one state per layer (Qwen3.5's Gated DeltaNet)"
+            )
+        self.linear_layers = [t == "linear_attention" for t in layer_types]  # the others are full attention
         self.max_len: int = self.model.config.max_position_embeddings
         vocab = self.tokenizer.get_vocab()
         eos = {vocab[t] for t in ("<|im_end|>", "<|endoftext|>") if t in vocab}
@@ -354,7 +491,7 @@ class Engine:
         self.max_batch = max_batch
         self.adapters: dict[str, str] = {}  # LoRA adapter name -> the folder it was loaded from
         self._loads: dict[str | None, int] = {}  # adapter name -> loads and unloads so far: a new count retires its KV
-        self.prefix_cache = PrefixCache(prefix_cache_tokens)  # the scheduler thread's alone
+        self.prefix_cache = PrefixCache(prefix_cache_tokens, self.linear_layers)  # the scheduler thread's alone
         self._stats_due = time.monotonic() + _STATS_EVERY_S
         self._tokenizer_lock = threading.Lock()  # fast tokenizers raise "Already borrowed" when two threads encode
         self._model_lock = threading.Lock()  # adapters are loaded and unloaded between forward passes
@@ -501,7 +638,7 @@ class Engine:
                         logits_to_keep=1,
                     )
                     cache, logits = out.cache, out.logits[:, -1].float()  # (1, V)
-            self.prefix_cache.put(seq.model, seq.prompt_ids, [(x.keys, x.values) for x in cache.layers], logits)
+            self.prefix_cache.put(seq.model, seq.prompt_ids, [_tensors(x) for x in cache.layers], logits)
             self._log_stats()
             if not self._emit([seq], logits):
                 return
@@ -547,8 +684,8 @@ class Engine:
         if self.prefix_cache.max_tokens:
             for i in sorted(set(range(len(batch.rows))) - set(staying)):
                 seq = batch.rows[i]
-                n, kv = batch.row_kv(i)
-                self.prefix_cache.put(seq.model, (seq.prompt_ids + seq.generated)[:n], kv)
+                n, layers = batch.row_cache(i)
+                self.prefix_cache.put(seq.model, (seq.prompt_ids + seq.generated)[:n], layers)
         batch.keep(staying)
 
     def _log_stats(self) -> None:

@@ -68,7 +68,8 @@ class Args:
     """Reference upstream settings."""
 
     model: Path
-    """Model directory written by eval.upstream.models (any local causal LM with a chat template works)."""
+    """Model directory written by eval.upstream.models, or any local causal LM with a chat template whose layers are
+    full attention, or full and linear attention as Qwen3.5's (sliding windows are refused)."""
     port: int = 8000
     """TCP port; 0 picks a free one, which the startup line reports."""
     host: str = "127.0.0.1"
