@@ -92,6 +92,29 @@ def tiny_qwen35_dir(run_once) -> Path:
 
 
 @pytest.fixture(scope="session")
+def long_memory_qwen35_dir(run_once, tiny_qwen35_dir) -> Path:
+    """The tiny Qwen3.5 with Gated DeltaNet decay rates A in [0.01, 0.1] (A_log: their logs), so that each token keeps
+    about 0.9 to 0.99 of the recurrent state before it. The random init keeps about e^-9, so a wrong state (carried
+    between traces, or lost between rows) would change its log-probs by about 1e-4 only."""
+
+    def build(folder: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        shutil.copytree(tiny_qwen35_dir, folder, dirs_exist_ok=True)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                if layer.block_type == "linear_attention":
+                    rates = torch.empty(layer.linear_attn.A_log.shape).uniform_(0.01, 0.1, generator=generator)
+                    layer.linear_attn.A_log.copy_(rates.log())
+        model.save_pretrained(folder)
+
+    return run_once("tiny-qwen3.5-long-memory", build)
+
+
+@pytest.fixture(scope="session")
 def reference_server(tmp_path_factory) -> Iterator[Callable[..., str]]:
     """Factory: ``reference_server(model_dir, script=None, seed=0)`` starts ``python -m eval serve`` on a free
     port and returns its base URL once it accepts connections. ``script`` is a list of assistant messages (or a

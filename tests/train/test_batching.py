@@ -4,7 +4,6 @@ Gated DeltaNet layers carry a recurrent state and a convolution along a row, so 
 
 import json
 import math
-import shutil
 
 import numpy as np
 import pytest
@@ -38,24 +37,6 @@ def tiny_llama_dir(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(config).save_pretrained(out)
     return str(out)
-
-
-@pytest.fixture(scope="module")
-def long_memory_qwen35_dir(tiny_qwen35_dir, tmp_path_factory) -> str:
-    """The tiny Qwen3.5 with decay rates A in [0.01, 0.1], so that a token keeps 0.9 to 0.99 of the recurrent state
-    before it: the random init keeps about e^-9, which would hide a state carried between traces."""
-    from transformers import AutoModelForCausalLM
-
-    folder = shutil.copytree(tiny_qwen35_dir, tmp_path_factory.mktemp("qwen3.5") / "long-memory")
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            if layer.block_type == "linear_attention":
-                rates = torch.empty(layer.linear_attn.A_log.shape).uniform_(0.01, 0.1, generator=generator)
-                layer.linear_attn.A_log.copy_(rates.log())
-    model.save_pretrained(folder)
-    return str(folder)
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ batched, joining, leaving, or resumed from the prefix cache, is the one a single
 
 The tiny model as built forgets almost everything its recurrent state holds from one token to the next (its random
 decay rates make each token keep about e^-9 of the state before it), so that a wrong state would change its log-probs
-by about 1e-4 only; these tests run a copy with slow decay instead (``long_memory_dir``), where the state carries the
-context and a wrong one shows.
+by about 1e-4 only; these tests run a copy with slow decay instead (``long_memory_qwen35_dir``, tests/conftest.py),
+where the state carries the context and a wrong one shows.
 
 ``ForwardGate`` (tests/eval/upstream/test_engine_batching.py) records each forward pass's rows and tokens per row."""
 
@@ -15,7 +15,6 @@ import math
 import shutil
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,31 +28,15 @@ from tests.eval.upstream.test_prefix_cache import GREEDY, chat, common_prefix, t
 
 
 @pytest.fixture(scope="module")
-def long_memory_dir(tiny_qwen35_dir, tmp_path_factory) -> Path:
-    """The tiny Qwen3.5 with Gated DeltaNet decay rates A in [0.01, 0.1] (A_log: their logs), so that each token
-    keeps about 0.9 to 0.99 of the recurrent state before it."""
-    folder = shutil.copytree(tiny_qwen35_dir, tmp_path_factory.mktemp("qwen3.5") / "long-memory")
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            if layer.block_type == "linear_attention":
-                rates = torch.empty(layer.linear_attn.A_log.shape).uniform_(0.01, 0.1, generator=generator)
-                layer.linear_attn.A_log.copy_(rates.log())
-    model.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def batching(long_memory_dir) -> Engine:
+def batching(long_memory_qwen35_dir) -> Engine:
     """Without the prefix cache, so that every request is prefilled."""
-    return Engine(long_memory_dir, seed=0, prefix_cache_tokens=0)
+    return Engine(long_memory_qwen35_dir, seed=0, prefix_cache_tokens=0)
 
 
 @pytest.fixture
-def engine(long_memory_dir) -> Engine:
+def engine(long_memory_qwen35_dir) -> Engine:
     """A fresh prefix cache per test: its counters start at zero."""
-    return Engine(long_memory_dir, seed=0)
+    return Engine(long_memory_qwen35_dir, seed=0)
 
 
 def scored(model: torch.nn.Module, prompt_ids: list[int], answer: list[int]) -> torch.Tensor:
@@ -202,7 +185,7 @@ def test_a_repeated_prompt_resumes_from_the_point_where_it_ended(engine, monkeyp
     assert gate.batch_sizes[0] == 3  # no prefill: the group's first forward is its first decode step
 
 
-def test_states_count_in_the_token_budget_as_the_kv_of_as_much_memory(long_memory_dir, engine):
+def test_states_count_in_the_token_budget_as_the_kv_of_as_much_memory(long_memory_qwen35_dir, engine):
     config = engine.model.config
     conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim
     conv_dim += config.linear_num_value_heads * config.linear_value_head_dim
@@ -216,7 +199,7 @@ def test_states_count_in_the_token_budget_as_the_kv_of_as_much_memory(long_memor
     alone(engine, ids, Sampling(max_tokens=1))  # done at its prefill: the entry is the prompt and its end's states
     assert engine.prefix_cache.tokens == len(ids) + states
 
-    small = Engine(long_memory_dir, seed=0, prefix_cache_tokens=len(ids) + states - 1)
+    small = Engine(long_memory_qwen35_dir, seed=0, prefix_cache_tokens=len(ids) + states - 1)
     alone(small, ids, Sampling(max_tokens=1))
     assert small.prefix_cache.entries == []
 
@@ -231,9 +214,10 @@ def test_sliding_window_layers_are_refused(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow  # a reference server (python -m eval serve)
-def test_served_log_probs_match_one_forward_under_concurrent_requests(reference_server, long_memory_dir):
-    url = reference_server(long_memory_dir, seed=1)
-    model = AutoModelForCausalLM.from_pretrained(long_memory_dir, dtype=torch.float32, local_files_only=True).eval()
+def test_served_log_probs_match_one_forward_under_concurrent_requests(reference_server, long_memory_qwen35_dir):
+    url = reference_server(long_memory_qwen35_dir, seed=1)
+    folder = long_memory_qwen35_dir
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval()
     users = ["hi", "list the files in this folder please", "what time is it", " ".join(WORDS)]
     answers: dict[int, dict] = {}
 
