@@ -23,13 +23,13 @@ sample in task order, then sample order) and RUN_DIR/logs/<session_id>/{stdout,s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hashlib
 import re
 import secrets
 import shutil
-import subprocess
 import tempfile
 import threading
 import time
@@ -45,23 +45,19 @@ from rich.table import Table
 
 from addon.session import is_session_id, looks_secret
 from eval.errors import EvalError
-from eval.harness.presets import PRESETS, Name, run_harness
+from eval.harness.install import install
+from eval.harness.mini import __file__ as MINI_FILE
+from eval.harness.presets import PRESETS, HarnessRun, Name, prepare
 from eval.harness.transparent import run_transparent
 from eval.procs import check_proxy
 from eval.runs import LOGS, SESSION_STATUSES, SESSIONS, SESSIONS_SCHEMA, TASKS, write_sessions
+from eval.runtime import RUNTIMES, Limits, PatchError, RuntimeName, remove_run, take_patch
 from eval.tasks import checkout, load_tasks, save_tasks
 
-__all__ = ["HARNESS_FOLDERS", "Args", "instruction", "main", "session_id", "take_patch"]
+__all__ = ["Args", "instruction", "main", "session_id"]
 
 console = Console(stderr=True)
 
-# Folders a harness or the tools it runs leave in the workspace; never part of the agent's patch. Excluded
-# from `git add` by pathspec, so a file the agent meant to create is never deleted.
-HARNESS_FOLDERS = (
-    *(preset.config_folder for preset in PRESETS.values() if preset.config_folder),
-    "node_modules", "__pycache__", ".pytest_cache", ".venv", ".mypy_cache", ".ruff_cache", ".tox",
-)  # fmt: skip
-EXCLUDES = [f":(exclude,glob)**/{name}/**" for name in HARNESS_FOLDERS]
 ERROR_TAIL = 2000  # characters of a failed harness's stderr kept in the sessions table
 
 
@@ -93,6 +89,12 @@ class Args:
     """Output tokens per model call; default: the harness's own cap."""
     max_turns: int | None = None
     """Model calls per session at most (mini only); default: the harness's own limit."""
+    # ---- where sessions run (eval/runtime.py, docs/runtimes.md)
+    runtime: RuntimeName = "local"
+    """local: the harness and the model's commands on this machine, in a temporary checkout, UNSAFE for untrusted
+    models; docker: each session in its task's own image (python -m eval images build), no network but its proxy."""
+    limits: Limits = dataclasses.field(default_factory=Limits)
+    """With --runtime docker: what each session's container may use."""
     # ---- limits
     concurrency: int = 1
     """Sessions at a time."""
@@ -142,6 +144,10 @@ class Args:
             )
         if self.transparent and not (self.ca_cert and self.ca_cert.is_file()):
             raise EvalError(f"--transparent needs --ca-cert, the proxy's mitmproxy-ca-cert.pem; got {self.ca_cert}")
+        if self.runtime != "local" and self.transparent:
+            raise EvalError(
+                f"--transparent runs harnesses on this machine; it does not go with --runtime {self.runtime}"
+            )
         if (self.out / SESSIONS).exists():
             raise EvalError(f"{self.out / SESSIONS} exists: give --out a new run folder")
 
@@ -173,16 +179,6 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def take_patch(repo: Path, base_commit: str) -> str:
-    """Everything the agent changed since ``base_commit`` (commits included), as a binary-safe git diff."""
-    git = ["git", "-c", "core.quotepath=off", "-C", str(repo)]
-    subprocess.run([*git, "add", "-A", "--", ".", *EXCLUDES], check=True, capture_output=True)
-    diff = subprocess.run(
-        [*git, "diff", "--cached", "--binary", base_commit, "--", ".", *EXCLUDES], check=True, capture_output=True
-    )
-    return diff.stdout.decode(errors="replace")
-
-
 def _tail(text: str) -> str:
     return text[-ERROR_TAIL:].strip()
 
@@ -196,10 +192,12 @@ class Job:
     task: dict[str, Any]
     sample: int
     session_id: str
+    run_tag: str  # labels the run's containers, so a sweep finds what a killed run left
 
 
 def roll_out(job: Job, args: Args, work_root: Path, logs: Path) -> dict[str, Any]:
-    """One session, start to patch; returns its sessions-table row. Never raises: a failure is a status."""
+    """One session, start to patch, in ``args.runtime``; returns its sessions-table row. Never raises: a failure
+    is a status."""
     row: dict[str, Any] = {
         "session_id": job.session_id,
         "task_id": job.task["instance_id"],
@@ -217,44 +215,50 @@ def roll_out(job: Job, args: Args, work_root: Path, logs: Path) -> dict[str, Any
     log_dir = logs / job.session_id
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
-        try:
-            repo = checkout(job.task, work / "repo")  # at base_commit: checkout checks it
-            common: dict[str, Any] = {  # the keywords both runners take
-                "workspace": repo,
-                "session_id": job.session_id,
-                "model": args.model,
-                "timeout": args.timeout,
-                "tools": args.tools,
-                "max_tokens": args.max_tokens,
-                "home": work / "home",
-            }
-            if args.transparent:
-                assert args.ca_cert is not None
-                run = run_transparent(
-                    args.harness, instruction(job.task), proxy_url=args.proxy, ca_cert=args.ca_cert, **common
+        with contextlib.ExitStack() as stack:
+            try:
+                if args.transparent:  # on this machine only (Args refuses another runtime)
+                    run = _run_transparent(job, args, work)
+                    box = None
+                else:
+                    box = stack.enter_context(
+                        RUNTIMES[args.runtime].open(
+                            job.task, job.session_id, work, proxy=args.proxy, run_tag=job.run_tag,
+                            mounts=_mounts(args.harness), limits=args.limits,
+                        )
+                    )  # fmt: skip
+                    argv, env = prepare(
+                        args.harness,
+                        instruction(job.task),
+                        workspace=box.workspace,
+                        home=work / "home",
+                        base_url=box.base_url,
+                        session_id=job.session_id,
+                        model=args.model,
+                        tools=args.tools,
+                        max_tokens=args.max_tokens,
+                        max_turns=args.max_turns,
+                        command=args.command,
+                        system_path=box.system_path,
+                    )
+                    run = box.run(args.harness, argv, env, args.timeout)
+            except Exception as e:  # noqa: BLE001 - checkout, image or launch: the harness never ran
+                row["error"] = f"{type(e).__name__}: {e}"[-ERROR_TAIL:]
+                (log_dir / "setup_error.txt").write_text(traceback.format_exc())
+                return row
+            (log_dir / "stdout.txt").write_text(run.stdout)
+            (log_dir / "stderr.txt").write_text(run.stderr)
+            row |= {"exit_code": run.exit_code, "duration_s": run.duration_s}
+            try:
+                row["patch"] = (
+                    box.patch(job.task["base_commit"]) if box else take_patch(work / "repo", job.task["base_commit"])
                 )
-            else:
-                run = run_harness(
-                    args.harness,
-                    instruction(job.task),
-                    base_url=args.proxy,
-                    command=args.command,
-                    max_turns=args.max_turns,
-                    **common,
-                )
-        except Exception as e:  # noqa: BLE001 - checkout or launch: the harness never ran
-            row["error"] = f"{type(e).__name__}: {e}"[-ERROR_TAIL:]
-            (log_dir / "setup_error.txt").write_text(traceback.format_exc())
-            return row
-        (log_dir / "stdout.txt").write_text(run.stdout)
-        (log_dir / "stderr.txt").write_text(run.stderr)
-        row |= {"exit_code": run.exit_code, "duration_s": run.duration_s}
-        try:
-            row["patch"] = take_patch(repo, job.task["base_commit"])
-        except subprocess.CalledProcessError as e:  # the agent broke the repository (e.g. removed .git)
-            stderr = e.stderr.decode(errors="replace")
-            row |= {"status": "crashed", "error": f"could not take the patch: {_tail(stderr)}"}
-            return row
+            except PatchError as e:  # the agent broke the repository (e.g. removed .git)
+                row |= {"status": "crashed", "error": f"could not take the patch: {_tail(str(e))}"}
+                return row
+            finally:
+                if args.keep_workspaces and box is not None:
+                    box.keep(work)
         if run.timed_out:
             row |= {"status": "timeout", "error": f"killed after {args.timeout:g} s; stderr: {_tail(run.stderr)}"}
         elif run.exit_code != 0:
@@ -267,6 +271,32 @@ def roll_out(job: Job, args: Args, work_root: Path, logs: Path) -> dict[str, Any
     finally:
         if not args.keep_workspaces:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _run_transparent(job: Job, args: Args, work: Path) -> HarnessRun:
+    assert args.ca_cert is not None
+    repo = checkout(job.task, work / "repo")  # at base_commit: checkout checks it
+    return run_transparent(
+        args.harness,
+        instruction(job.task),
+        proxy_url=args.proxy,
+        ca_cert=args.ca_cert,
+        workspace=repo,
+        session_id=job.session_id,
+        model=args.model,
+        timeout=args.timeout,
+        tools=args.tools,
+        max_tokens=args.max_tokens,
+        home=work / "home",
+    )
+
+
+def _mounts(harness: str) -> list[Path]:
+    """What a container needs of this machine to run ``harness``, bound read-only at the same paths: the npm
+    install (its own Node 22 runs on a minbase image) or mini.py."""
+    if PRESETS[harness].npm:
+        return [install().parent.parent]
+    return [Path(MINI_FILE)] if harness == "mini" else []
 
 
 def run_all(jobs: list[Job], args: Args, work_root: Path, logs: Path) -> list[dict[str, Any]]:
@@ -325,7 +355,11 @@ def main(args: Args) -> int:
     save_tasks(tasks, run_dir / TASKS)
 
     run_tag = f"{run_dir.resolve().name}-{secrets.token_hex(3)}"  # the nonce keeps reruns into a same-named dir apart
-    jobs = [Job(task, n, session_id(run_tag, task["instance_id"], n)) for task in tasks for n in range(args.samples)]
+    jobs = [
+        Job(task, n, session_id(run_tag, task["instance_id"], n), run_tag)
+        for task in tasks
+        for n in range(args.samples)
+    ]
     # Unless kept, outside the run folder: harnesses read instruction files (CLAUDE.md, AGENTS.md) from parent folders.
     work_root = run_dir / "workspaces" if args.keep_workspaces else Path(tempfile.mkdtemp(prefix="polar-rollout-"))
     started = time.monotonic()
@@ -337,6 +371,8 @@ def main(args: Args) -> int:
     finally:
         if not args.keep_workspaces:
             shutil.rmtree(work_root, ignore_errors=True)
+        if args.runtime == "docker" and args.ray is None and (left := remove_run(run_tag)):
+            console.print(f"removed {left} container(s) this run left behind")
     sessions = write_sessions(pl.DataFrame(rows, schema=SESSIONS_SCHEMA), run_dir)
 
     table = Table(title=f"{args.harness}: {len(jobs)} sessions in {time.monotonic() - started:.0f} s")

@@ -40,7 +40,7 @@ from eval.errors import EvalError
 from eval.harness.install import CACHE, PACKAGE_JSON, install
 from eval.procs import check_proxy, stop_tree
 
-__all__ = ["PRESETS", "HarnessRun", "Name", "Preset", "Setup", "base_env", "run_harness", "run_process"]
+__all__ = ["PRESETS", "HarnessRun", "Name", "Preset", "Setup", "base_env", "prepare", "run_harness", "run_process"]
 
 API_KEY_ENV = "POLAR_API_KEY"  # where presets that read the key from a named variable find it
 MINI = Path(__file__).with_name("mini.py")
@@ -273,9 +273,10 @@ else:
     Name = Literal[tuple(PRESETS)]
 
 
-def base_env(home: Path, bin_dir: Path | None) -> dict[str, str]:
-    """A fresh environment: nothing of the caller's (keys, proxies, configs) reaches the harness."""
-    path = os.environ.get("PATH", os.defpath)
+def base_env(home: Path, bin_dir: Path | None, system_path: str | None = None) -> dict[str, str]:
+    """A fresh environment: nothing of the caller's (keys, proxies, configs) reaches the harness. ``system_path``:
+    the PATH after ``bin_dir`` (default: this process's; a container's runtime gives its image's)."""
+    path = system_path or os.environ.get("PATH", os.defpath)
     env = {
         "HOME": str(home),
         "USER": os.environ.get("USER", "polar"),
@@ -348,22 +349,19 @@ def run_harness(
     home: Path | None = None,
     bin_dir: Path | None = None,
 ) -> HarnessRun:
-    """Run ``harness`` on ``prompt`` in ``workspace`` against ``base_url`` (the proxy, without /v1).
+    """Run ``harness`` on ``prompt`` in ``workspace`` on this machine against ``base_url`` (the proxy, without /v1).
 
     ``tools`` keeps only those of the harness's built-in tools (its own names) and ``max_tokens`` caps each call's
     output, for models whose context the full tool list or the default cap would overrun; a harness without such a
     setting raises EvalError. ``command`` is the ``shell`` harness's command line. ``home`` (default: a temporary
     folder, removed afterwards) receives the harness's config and state; pass one to keep its logs. ``bin_dir``
-    defaults to the installed CLIs (eval/harness/install.py), which only the npm harnesses need.
+    defaults to the installed CLIs (eval/harness/install.py), which only the npm harnesses need. Rollouts run it
+    through a runtime instead (eval/runtime.py), which may put it in a container.
     """
-    preset = PRESETS[harness]
-    if preset.npm:
-        bin_dir = bin_dir or install()
     with contextlib.ExitStack() as stack:
         if home is None:
             home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"polar-{harness}-home-")))
-        home.mkdir(parents=True, exist_ok=True)
-        s = setup(
+        argv, env = prepare(
             harness,
             prompt,
             workspace=workspace,
@@ -375,11 +373,49 @@ def run_harness(
             max_tokens=max_tokens,
             max_turns=max_turns,
             command=command,
+            bin_dir=bin_dir,
         )
-        argv, extra = preset.wire(s)
-        env = base_env(s.home, bin_dir) | extra
         argv = [shutil.which(argv[0], path=env["PATH"]) or argv[0], *argv[1:]]
-        return run_process(harness, argv, env, s.workspace, timeout)
+        return run_process(harness, argv, env, workspace.resolve(), timeout)
+
+
+def prepare(
+    harness: str,
+    prompt: str,
+    *,
+    workspace: Path,
+    home: Path,
+    base_url: str,
+    session_id: str,
+    model: str,
+    tools: Sequence[str] | None = None,
+    max_tokens: int | None = None,
+    max_turns: int | None = None,
+    command: str | None = None,
+    bin_dir: Path | None = None,
+    system_path: str | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """The argv and the whole environment of one run, its config written under ``home``; ``workspace`` and
+    ``base_url`` as the harness will see them (in a container: /testbed and the container's own relay)."""
+    preset = PRESETS[harness]
+    if preset.npm:
+        bin_dir = bin_dir or install()
+    home.mkdir(parents=True, exist_ok=True)
+    s = setup(
+        harness,
+        prompt,
+        workspace=workspace,
+        home=home,
+        base_url=base_url,
+        session_id=session_id,
+        model=model,
+        tools=tools,
+        max_tokens=max_tokens,
+        max_turns=max_turns,
+        command=command,
+    )
+    argv, extra = preset.wire(s)
+    return argv, base_env(s.home, bin_dir, system_path) | extra
 
 
 def run_process(harness: str, argv: list[str], env: dict[str, str], cwd: Path, timeout: float) -> HarnessRun:

@@ -18,8 +18,9 @@ import eval.join
 import eval.score
 from eval import rollout
 from eval.harness.presets import MINI
-from eval.rollout import Args, main, session_id, take_patch
+from eval.rollout import Args, main, session_id
 from eval.runs import read_rewards, read_sessions
+from eval.runtime import take_patch
 from eval.tasks import checkout, load_tasks
 from reconstruct import schema
 from tests.captures import read_records, scripted_proxy, tokens_of
