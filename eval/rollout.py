@@ -43,7 +43,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from addon.session import is_session_id, looks_secret
+from addon.session import is_session_id, looks_secret, read_secret, signed_key
 from eval.errors import EvalError
 from eval.harness.install import install
 from eval.harness.mini import __file__ as MINI_FILE
@@ -108,6 +108,9 @@ class Args:
     own URL and gets only HTTPS_PROXY and the CA (--ca-cert). For the npm harnesses."""
     ca_cert: Path | None = None
     """With --transparent: the proxy's CA, mitmproxy-ca-cert.pem in the mitmdump's confdir."""
+    session_secret: Path | None = None
+    """The proxy's polar_secret_file: each harness then gets its session's signed key (addon/session.py), so no
+    session can write calls into another's. Needed when the proxy checks keys."""
     proxy_check: bool = True
     """Refuse to start unless --proxy answers GET /polar/health as a recording capture addon (off only for
     harnesses that make no model call)."""
@@ -144,6 +147,11 @@ class Args:
             )
         if self.transparent and not (self.ca_cert and self.ca_cert.is_file()):
             raise EvalError(f"--transparent needs --ca-cert, the proxy's mitmproxy-ca-cert.pem; got {self.ca_cert}")
+        if self.session_secret is not None:
+            try:
+                read_secret(self.session_secret)
+            except (OSError, ValueError) as e:
+                raise EvalError(f"--session-secret {self.session_secret}: {e}") from e
         if self.runtime != "local" and self.transparent:
             raise EvalError(
                 f"--transparent runs harnesses on this machine; it does not go with --runtime {self.runtime}"
@@ -233,7 +241,7 @@ def roll_out(job: Job, args: Args, work_root: Path, logs: Path) -> dict[str, Any
                         workspace=box.workspace,
                         home=work / "home",
                         base_url=box.base_url,
-                        session_id=job.session_id,
+                        session_id=_key(job.session_id, args.session_secret),
                         model=args.model,
                         tools=args.tools,
                         max_tokens=args.max_tokens,
@@ -282,13 +290,18 @@ def _run_transparent(job: Job, args: Args, work: Path) -> HarnessRun:
         proxy_url=args.proxy,
         ca_cert=args.ca_cert,
         workspace=repo,
-        session_id=job.session_id,
+        session_id=_key(job.session_id, args.session_secret),
         model=args.model,
         timeout=args.timeout,
         tools=args.tools,
         max_tokens=args.max_tokens,
         home=work / "home",
     )
+
+
+def _key(session_id: str, secret_file: Path | None) -> str:
+    """The API key the harness gets: the session id, signed when the proxy checks keys."""
+    return session_id if secret_file is None else signed_key(session_id, read_secret(secret_file))
 
 
 def _mounts(harness: str) -> list[Path]:
@@ -350,6 +363,13 @@ def main(args: Args) -> int:
     if args.proxy_check and args.ray is None:
         health = check_proxy(proxy, transparent=args.transparent)
         print(f"proxy:    {proxy} records into {health['options']['polar_dir']}")
+        if health.get("signed_keys") and args.session_secret is None:
+            raise EvalError(f"{proxy} accepts only signed session keys: give --session-secret, its polar_secret_file")
+        if not health.get("signed_keys") and RUNTIMES[args.runtime].sandboxed:
+            console.print(
+                f"[yellow]warning[/]: {proxy} accepts any session key, so a session can write calls into another's; "
+                "start mitmdump with --set polar_secret_file=FILE and pass --session-secret FILE"
+            )
     run_dir = args.out
     run_dir.mkdir(parents=True, exist_ok=True)
     save_tasks(tasks, run_dir / TASKS)
