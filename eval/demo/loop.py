@@ -3,8 +3,15 @@ It trains on the generated family's training split (eval/taskgen.py) and is meas
 
     python -m eval demo [--harness mini|pi] [--seed 0] [--rounds 3] [--teach-count 64] [--grpo-task-count 16]
                         [--heldout-sessions 64] [--samples 4] [--tasks ID ...] [--heldout ID ...] [--reuse RUN]
+                        [--runtime auto|local|docker]
     make demo [HARNESS=pi] [SEED=1] [ROUNDS=3] [TEACH=64] [GRPO_TASKS=16] [HELDOUT=64] [SAMPLES=4] [THREADS=2]
-              [REUSE=runs/demo/<time>]
+              [REUSE=runs/demo/<time>] [RUNTIME=docker]
+
+Where sessions run (--runtime, eval/runtime.py): by default (auto) each session runs in its task's own container
+(docker: no network but its proxy) when a Docker daemon answers and the run's task images build (``python -m eval
+images build --tasks RUN/tasks.jsonl``, once, before the first stage), and every patch is graded in a fresh
+container (``python -m eval score --runner docker``). Where not, sessions run on this machine (local, unsandboxed)
+and one line says so and why. ``--runtime docker`` fails instead of falling back; ``--runtime local`` never tries.
 
 Phases, each its own process joined to the next by files in RUN = runs/demo/<UTC time>/ (RUN/tasks.jsonl: every
 task the run uses):
@@ -38,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import importlib.util
 import json
 import os
 import shlex
@@ -48,16 +56,18 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from rich.console import Console
 
 from eval import taskgen
+from eval.containers import daemon_address, require_daemon
 from eval.demo import report as demo_report
 from eval.errors import EvalError
 from eval.harness.presets import PRESETS, Name
 from eval.procs import Mitmdump, ReferenceServer, stop_tree
 from eval.runs import TASKS
+from eval.runtime import RUNTIMES
 from eval.tasks import FAMILY, TOY_DIR, TOY_REPO_OWNER, load_tasks, save_tasks
 from eval.upstream.models import build_smollm2
 from eval.upstream.vllm import VllmServer
@@ -65,6 +75,11 @@ from eval.upstream.vllm import VllmServer
 console = Console()
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
+RUNTIME_CHOICES = ("auto", *RUNTIMES)
+if TYPE_CHECKING:
+    RuntimeChoice = str
+else:
+    RuntimeChoice = Literal[RUNTIME_CHOICES]
 
 
 @dataclasses.dataclass
@@ -110,6 +125,11 @@ class Args:
     """Seconds before a harness session is killed (status timeout)."""
     concurrency: int = 16
     """Sessions at a time: the server batches their model calls."""
+    runtime: RuntimeChoice = "auto"
+    """Where each session runs (eval/runtime.py). auto: docker when a Docker daemon answers (DOCKER_HOST) and the
+    run's task images build, else local, saying why; docker: each session in its task's image with no network but
+    its proxy, graded in a fresh container (eval score --runner docker), and an error where that cannot run; local:
+    the harness and the model's commands on this machine, UNSAFE for untrusted models."""
     # ---- training
     sft_steps: int = 10
     """SFT optimizer steps on the teacher sessions (all of them in each step)."""
@@ -183,6 +203,8 @@ class Args:
             )
         if self.samples < 2:
             raise ValueError("--samples must be >= 2: GRPO compares the samples of a task with each other")
+        if self.runtime not in RUNTIME_CHOICES:
+            raise ValueError(f"--runtime {self.runtime!r}: not one of {', '.join(RUNTIME_CHOICES)}")
         family = taskgen.generate(self.family_seed)
         train = [t["instance_id"] for t in family["train"]]
         if not self.teach:
@@ -221,6 +243,7 @@ class Args:
 CONFIG = "config.json"  # a run's model and flags, written before its first phase: what --reuse checks
 REUSED = ("teacher", "base", "base-heldout")  # what --reuse copies: these run folders and their captures
 # The flags the teacher sessions and the base stage depend on: a run reusing them must have the same values.
+# --runtime is not one: it changes where a session runs, not what the harness and the model do in it.
 REUSE_KEYS = (
     "harness", "teach", "tasks", "heldout", "family_seed", "samples", "heldout_samples", "max_tokens", "max_turns",
     "session_timeout", "concurrency", "upstream", "script", "seed",
@@ -386,8 +409,14 @@ def accelerate(script: str, config: Args, *args: str | Path) -> list[str | Path]
 class Stages:
     """Rollouts through a fresh capture proxy, grading, reconstruction: one stage's run folders."""
 
-    def __init__(self, loop: Loop, config: Args, model: Path) -> None:
+    def __init__(self, loop: Loop, config: Args, model: Path, runtime: str = "local") -> None:
         self.loop, self.config, self.model = loop, config, model
+        self.runtime = runtime  # resolved: a RUNTIMES name, never "auto"
+
+    @property
+    def runner(self) -> str:
+        """eval score's --runner for this runtime: a sandboxed session is graded in a fresh container too."""
+        return "docker" if self.runtime == "docker" else "local"
 
     def rollout_cmd(
         self, tasks: tuple[str, ...], samples: int, out: Path, model: str, proxy: str, capped: bool
@@ -415,10 +444,15 @@ class Stages:
             str(self.config.concurrency),
             "--proxy",
             proxy,
+            "--runtime",
+            self.runtime,
         ]
         cmd += ["--max-turns", str(self.config.max_turns)] if self.config.harness == "mini" else []
         capped = capped and self.config.max_tokens is not None
         return cmd + (["--max-tokens", str(self.config.max_tokens)] if capped else [])
+
+    def score_cmd(self, folder: Path) -> list[str | Path]:
+        return [PY, "-m", "eval", "score", folder, "--runner", self.runner]
 
     def run(
         self,
@@ -446,7 +480,7 @@ class Stages:
                 wrote.append(run / folder / "sessions.parquet")
             run_processes(*cmds, logs=logs)
         folders = [f for f, (tasks, _) in groups.items() if tasks]
-        score: list[list[str | Path]] = [[PY, "-m", "eval", "score", run / f] for f in folders]
+        score = [self.score_cmd(run / f) for f in folders]
         # Every split's sessions are reconstructed: training reads the first, the stats of each show what the
         # harness sent (calls, prompt lengths, chain breaks) on tasks it trains on and on tasks it never saw.
         rebuild: list[list[str | Path]] = []
@@ -471,8 +505,85 @@ class Stages:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class Chosen:
+    """The runtime the demo's sessions run in, and why that one."""
+
+    name: str
+    """A RUNTIMES name: what every rollout gets as --runtime."""
+    why: str
+
+    @property
+    def sandboxed(self) -> bool:
+        return RUNTIMES[self.name].sandboxed
+
+    def line(self) -> str:
+        """The one line the demo prints (and the summary keeps) about where sessions ran."""
+        if self.sandboxed:
+            return f"sessions run sandboxed: --runtime {self.name}, {RUNTIMES[self.name].about} ({self.why})"
+        return f"sessions run UNSANDBOXED on this machine (--runtime {self.name}): {self.why}"
+
+    def record(self, asked: str) -> dict[str, Any]:
+        return {"name": self.name, "asked": asked, "sandboxed": self.sandboxed, "why": self.why}
+
+
+def docker_unavailable() -> str | None:
+    """Why sessions cannot run in containers here (no docker CLI or daemon, no image builder), or None."""
+    try:
+        version = require_daemon()
+    except EvalError as e:
+        return str(e)
+    if importlib.util.find_spec("eval.images") is None:
+        return f"a Docker daemon answers (server {version}), but this checkout has no image builder (eval/images.py)"
+    return None
+
+
+def images_cmd(run: Path) -> list[str | Path]:
+    return [PY, "-m", "eval", "images", "build", "--tasks", run / TASKS]
+
+
+def build_images(loop: Loop, asked: str) -> Chosen:
+    """The run's task images, built once before the first stage: docker when they build; with --runtime auto a
+    failed build falls back to local (its reason kept), with --runtime docker it stops the demo."""
+    log = loop.run / "logs" / "images.log"
+    cmd = images_cmd(loop.run)
+    t0 = loop.header("task images (python -m eval images build)")
+    try:
+        run_processes(cmd, logs=[log])
+    except PhaseFailed as e:
+        tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.is_file() else []
+        reason = f"the task images did not build ({tail[0] if tail else e}; log {shown(log)})"
+        if asked == "docker":
+            raise PhaseFailed(f"--runtime docker: {reason}") from e
+        loop.done("images (failed)", t0, [], [command_line(cmd)])
+        return Chosen("local", f"{reason} (--runtime auto)")
+    loop.done("images", t0, [], [command_line(cmd)])
+    return Chosen("docker", f"a Docker daemon answers at {daemon_address()} and the task images built")
+
+
+def choose_runtime(loop: Loop, asked: str, unavailable: str | None) -> Chosen:
+    """The runtime of every session of the run, printed as one line: ``asked`` itself, or for auto docker where
+    ``unavailable`` (docker_unavailable()) is None and the task images build, else local with the reason."""
+    if asked == "local":
+        runtime = Chosen("local", "--runtime local was asked for")
+    elif unavailable is not None:
+        if asked == "docker":
+            raise EvalError(f"--runtime docker: {unavailable}")
+        runtime = Chosen("local", f"{unavailable} (--runtime auto)")
+    else:
+        runtime = build_images(loop, asked)
+    console.print(
+        runtime.line(), style="green" if runtime.sandboxed else "bold yellow", highlight=False, soft_wrap=True
+    )
+    return runtime
+
+
 def demo(config: Args) -> int:
     started = time.monotonic()
+    # Where sessions run: asked for, or (auto) docker where a daemon answers; refused before any folder is made.
+    unavailable = None if config.runtime == "local" else docker_unavailable()
+    if config.runtime == "docker" and unavailable:
+        raise EvalError(f"--runtime docker: {unavailable}")
     # Every process below inherits this: torch spawning one thread per core on a shared box slows it many times.
     os.environ["OMP_NUM_THREADS"] = str(config.threads)
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
@@ -480,19 +591,23 @@ def demo(config: Args) -> int:
     (run / "logs").mkdir(parents=True)
     # Every task of the run, in one SWE-bench JSONL that each rollout reads (toy and generated tasks alike).
     save_tasks(load_instances((*config.teach, *config.tasks, *config.heldout), config.family_seed), run / TASKS)
-    loop = Loop(run, total=6 + 2 * config.rounds - (config.reuse is not None))
+    try_docker = config.runtime != "local" and unavailable is None
+    loop = Loop(run, total=6 + 2 * config.rounds - (config.reuse is not None) + try_docker)
     console.print(
         f"run folder {shown(run)}: {config.harness}; SFT on {len(config.teach)} teacher sessions, then "
         f"{config.rounds} GRPO round(s) on {len(config.tasks)} tasks x {config.samples} samples; "
         f"{len(config.heldout)} held-out task(s) x {config.heldout_samples}; --max-len {config.trace_tokens}",
         highlight=False,
     )
+    runtime = choose_runtime(loop, config.runtime, unavailable)
 
     t0 = loop.header("model")
     model = (config.model or build_smollm2(ROOT / "models" / "smollm2")).resolve()
     loop.done("model", t0, [model], [f"python -m eval models smollm2 {shown(model)}"] if not config.model else [])
-    (run / CONFIG).write_text(json.dumps({"model": str(model), "config": _plain(config)}, indent=1))
-    stages = Stages(loop, config, model)
+    (run / CONFIG).write_text(
+        json.dumps({"model": str(model), "config": _plain(config), "runtime": runtime.record(config.runtime)}, indent=1)
+    )
+    stages = Stages(loop, config, model, runtime.name)
     adapters = run / "adapters"
 
     if config.reuse is not None:
@@ -606,6 +721,7 @@ def demo(config: Args) -> int:
     record = {
         "model": str(model),
         "config": _plain(config),
+        "runtime": runtime.record(config.runtime),
         "phases": loop.phases,
         "seconds": round(time.monotonic() - started, 1),
     }

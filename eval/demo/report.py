@@ -274,13 +274,21 @@ def _delta(test: dict[str, Any]) -> str:
     return f"{test['from']} -> {test['to']}: {test['delta']:+.0%}{interval}, {test['verdict']}"
 
 
+def runtime_sentence(runtime: dict[str, Any]) -> str:
+    """Where the run's sessions ran (summary.json's ``runtime``, eval/demo/loop.py ``Chosen``)."""
+    if runtime["sandboxed"]:
+        return f"Sessions ran sandboxed (--runtime {runtime['name']}, graded in fresh containers): {runtime['why']}."
+    return f"Sessions ran UNSANDBOXED on this machine (--runtime {runtime['name']}): {runtime['why']}."
+
+
 def note(numbers: dict[str, Any]) -> str:
     """The honest reading of a run, in a few sentences: each stage's share reported apart, each split apart."""
     stages = numbers["stages"]
     tests = {t["from"] + ">" + t["to"]: t for t in numbers["tests"] if t.get("split", "trained") == "trained"}
     heldout_tests = [t for t in numbers["tests"] if t.get("split") == "held-out"]
     order = numbers["order"]
-    parts = ["Pass@1 on the trained tasks: " + ", ".join(f"{s} {_rate(stages[s])}" for s in order) + "."]
+    parts = [runtime_sentence(numbers["runtime"])] if numbers.get("runtime") else []
+    parts.append("Pass@1 on the trained tasks: " + ", ".join(f"{s} {_rate(stages[s])}" for s in order) + ".")
     grpo = [s for s in order if s.startswith("grpo")]
     if "base>sft" in tests:
         parts.append(f"SFT on the teacher sessions: {tests['base>sft']['verdict']}.")
@@ -585,7 +593,7 @@ def write_summary(run: Path, record: dict[str, Any]) -> dict[str, Any]:
     """summary.json and report.html of ``run``: ``record`` (phases with commands and seconds, config, model) plus
     every number recounted from the files, and the note. Returns what summary.json holds."""
     numbers = summary(run)
-    full = {**record, **numbers, "note": note(numbers)}
+    full = {**record, **numbers, "note": note({**record, **numbers})}
     (run / "summary.json").write_text(json.dumps(full, indent=1) + "\n")
     (run / "report.html").write_text(report_html(full))
     return full
@@ -593,7 +601,9 @@ def write_summary(run: Path, record: dict[str, Any]) -> dict[str, Any]:
 
 def summary_table(numbers: dict[str, Any]) -> Table:
     head, *body = summary_rows(numbers)
-    table = Table(title=f"demo summary: {numbers['run']}")
+    runtime = numbers.get("runtime")
+    where = f" (--runtime {runtime['name']})" if runtime else ""
+    table = Table(title=f"demo summary: {numbers['run']}{where}")
     for column in head:
         table.add_column(column)
     for row in body:
@@ -619,7 +629,9 @@ class Args:
 def main(args: Args) -> None:
     run = find_run(args.run)
     record = json.loads((run / "summary.json").read_text())
-    full = write_summary(run, {k: record[k] for k in ("model", "config", "phases", "seconds") if k in record})
+    full = write_summary(
+        run, {k: record[k] for k in ("model", "config", "runtime", "phases", "seconds") if k in record}
+    )
     console = Console()
     console.print(summary_table(full))
     console.print(verdict_table(full))

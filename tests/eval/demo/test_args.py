@@ -1,9 +1,14 @@
 """The demo's settings refuse what cannot run, before any model is built."""
 
+import sys
+
 import pytest
+import tyro
 
 from eval import taskgen
+from eval.demo import loop
 from eval.demo.loop import Args
+from eval.errors import EvalError
 
 
 def test_a_script_replays_through_the_reference_server_only(tmp_path):
@@ -38,3 +43,81 @@ def test_max_len_follows_the_harness_unless_given():
     assert Args(harness="mini").trace_tokens == 1024
     assert Args(harness="pi").trace_tokens == 3072
     assert Args(harness="pi", max_len=2048).trace_tokens == 2048
+
+
+# ---- --runtime: where the sessions run (eval/runtime.py), chosen like python -m eval rollout's
+
+
+def test_runtime_is_auto_by_default_and_a_bad_one_is_refused():
+    assert Args().runtime == "auto"
+    assert {Args(runtime=name).runtime for name in ("local", "docker")} == {"local", "docker"}
+    with pytest.raises(ValueError, match=r"--runtime 'podman': not one of auto, local, docker"):
+        Args(runtime="podman")
+    with pytest.raises(SystemExit):  # the command line refuses it before Args is made
+        tyro.cli(Args, args=["--runtime", "podman"])
+    assert tyro.cli(Args, args=["--runtime", "docker"]).runtime == "docker"
+
+
+def stages(tmp_path, runtime):
+    return loop.Stages(loop.Loop(tmp_path, total=1), Args(), tmp_path / "model", runtime)
+
+
+@pytest.mark.parametrize(("runtime", "runner"), [("docker", "docker"), ("local", "local")])
+def test_every_rollout_gets_the_runtime_and_every_grade_its_runner(tmp_path, runtime, runner):
+    s = stages(tmp_path, runtime)
+    cmd = [str(w) for w in s.rollout_cmd(("t",), 2, tmp_path / "base", "m", "http://127.0.0.1:1", capped=True)]
+    assert cmd[cmd.index("--runtime") + 1] == runtime
+    score = [str(w) for w in s.score_cmd(tmp_path / "base")]
+    assert score[2:5] == ["eval", "score", str(tmp_path / "base")] and score[-2:] == ["--runner", runner]
+
+
+def run_loop(tmp_path):
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    return loop.Loop(tmp_path, total=1)
+
+
+def test_auto_runs_unsandboxed_where_no_daemon_answers_and_says_why(tmp_path, capsys):
+    chosen = loop.choose_runtime(run_loop(tmp_path), "auto", "no Docker daemon answered at unix:///x.sock")
+    assert (chosen.name, chosen.sandboxed) == ("local", False)
+    assert "UNSANDBOXED" in chosen.line() and "no Docker daemon answered at unix:///x.sock" in chosen.line()
+    assert "UNSANDBOXED on this machine" in capsys.readouterr().out
+    assert chosen.record("auto") == {"name": "local", "asked": "auto", "sandboxed": False, "why": chosen.why}
+    with pytest.raises(EvalError, match=r"--runtime docker: no Docker daemon answered"):  # asked: never a fallback
+        loop.choose_runtime(run_loop(tmp_path), "docker", "no Docker daemon answered at unix:///x.sock")
+    assert loop.choose_runtime(run_loop(tmp_path), "local", None).why == "--runtime local was asked for"
+
+
+def test_docker_unavailable_names_the_daemon_it_asked(monkeypatch):
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/polar-test.sock")
+    loop.require_daemon.cache_clear()
+    try:
+        reason = loop.docker_unavailable()
+    finally:
+        loop.require_daemon.cache_clear()
+    assert reason is not None and ("/nonexistent/polar-test.sock" in reason or "docker CLI is not on PATH" in reason)
+
+
+def test_with_a_daemon_the_images_build_once_before_the_first_stage_or_auto_falls_back(tmp_path, monkeypatch):
+    built = tmp_path / "built"
+    monkeypatch.setattr(loop, "images_cmd", lambda run: [sys.executable, "-c", f"open({str(built)!r}, 'a').write('x')"])
+    chosen = loop.choose_runtime(run_loop(tmp_path), "auto", None)
+    assert (chosen.name, chosen.sandboxed, built.read_text()) == ("docker", True, "x")
+    assert "sessions run sandboxed: --runtime docker" in chosen.line()
+
+    fail = [sys.executable, "-c", "import sys; print('no base image: debootstrap failed'); sys.exit(3)"]
+    monkeypatch.setattr(loop, "images_cmd", lambda run: fail)
+    chosen = loop.choose_runtime(run_loop(tmp_path), "auto", None)
+    assert chosen.name == "local" and "the task images did not build (no base image: debootstrap failed" in chosen.why
+    with pytest.raises(loop.PhaseFailed, match=r"--runtime docker: the task images did not build \(no base image"):
+        loop.choose_runtime(run_loop(tmp_path), "docker", None)
+
+
+def test_the_note_and_the_table_say_which_runtime_ran():
+    from eval.demo import report
+
+    numbers = {"run": "r", "stages": {}, "order": [], "tests": [], "train": {}}
+    sandboxed = {"name": "docker", "asked": "auto", "sandboxed": True, "why": "a daemon answers"}
+    assert report.note(numbers | {"runtime": sandboxed}).startswith("Sessions ran sandboxed (--runtime docker")
+    local = {"name": "local", "asked": "auto", "sandboxed": False, "why": "no daemon (--runtime auto)"}
+    assert report.note(numbers | {"runtime": local}).startswith("Sessions ran UNSANDBOXED on this machine")
+    assert "Sessions ran" not in report.note(numbers)  # a run from before --runtime
