@@ -12,7 +12,10 @@
   checkout is already on that node's disk, and grading needs no other node.
 - **The run folder is a one-machine run's**: ``tasks.jsonl``, ``sessions.parquet`` (written by eval/rollout.py),
   ``rewards.parquet``, ``logs/<session_id>/``, and every node's captures under ``captures/<node>/``. Record ids
-  are random per record (addon/record.py), so the gathered folders hold no two records with one id.
+  are random per record (addon/record.py), so the gathered folders hold no two records with one id. A capture file
+  already there is never replaced (issue 37): one of the same bytes is kept as it is, and a round's file whose name
+  holds other bytes is written beside it as ``<stem>-<n>.jsonl``, said on stderr (reconstruct reads every
+  ``*.jsonl``).
 - **Lost attempts.** A session whose worker or node died is run again, under a new session id, on whatever node has
   a free CPU (at most ``MAX_ATTEMPTS`` times). So is a finished session whose node died before the round's captures
   were gathered: its records died with the node. Each lost attempt is a row of ``lost.parquet``; its session id
@@ -30,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -44,7 +48,7 @@ from eval.errors import EvalError
 from eval.procs import Mitmdump, check_proxy
 from eval.runs import FORMAT_VERSION, LOGS, REWARDS_SCHEMA, VERSION_KEY, RunError, write_rewards
 from eval.score import HARNESS_FAILED, Grade, grade
-from reconstruct.files import conform_table, read_versioned_parquet, write_versioned_parquet
+from reconstruct.files import conform_table, read_versioned_parquet, write_new, write_versioned_parquet
 
 __all__ = ["CAPTURES", "LOST", "LOST_SCHEMA", "MAX_ATTEMPTS", "CaptureProxy", "read_lost", "run_round", "write_lost"]
 
@@ -237,8 +241,10 @@ def _gather_captures(actors: dict[str, Any], urls: dict[str, str], folder: Path)
             raise EvalError(f"node {node} died as the round ended; its sessions' captures are lost: {e}") from e
         for name, data in files.items():
             path = folder / node[:16] / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data)
+            # A new name, not a refusal: the proxy's own copy is gone, so refusing would lose the round's records.
+            [written] = write_new({path: data}).values()
+            if written != path:
+                print(f"{path} holds other bytes: kept it, and wrote this round's file as {written}", file=sys.stderr)
 
 
 def _reward_row(result: dict[str, Any]) -> dict[str, Any]:

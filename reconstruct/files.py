@@ -1,13 +1,16 @@
 """Files that readers never see half-written, and the versioned Parquet tables built on them.
 
     write_atomic(path, b"...")                            # or a writer: write_atomic(path, lambda tmp: ...)
+    write_new({folder / "report.json": b"...", ...})      # replaces nothing: a taken name gets a number
     write_versioned_parquet(df, path, "polar.x.version", 1)
     df = read_versioned_parquet(path, "polar.x.version", 1, kind="x table", error=XError)
 
 A write goes to a temporary file beside ``path`` and is renamed over it, so a reader (or a rerun after a crash)
-finds the old file or the new one, never a torn one. A versioned table carries its format version in the Parquet
-key-value metadata and is written deterministically (same rows, same bytes: no min/max statistics). The
-trajectory table (``reconstruct.schema``) and the stats file are written here; eval's run tables can be too.
+finds the old file or the new one, never a torn one. :func:`write_new` writes a set of files into a folder that
+may hold an earlier run's: a name taken by other bytes moves the whole set to ``<stem>-<n><suffix>`` (issue 37). A
+versioned table carries its format version in the Parquet key-value metadata and is written deterministically
+(same rows, same bytes: no min/max statistics). The trajectory table (``reconstruct.schema``) and the stats file
+are written here; eval's run tables can be too.
 """
 
 from __future__ import annotations
@@ -15,12 +18,12 @@ from __future__ import annotations
 import errno
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import polars as pl
 
-__all__ = ["conform_table", "read_versioned_parquet", "write_atomic", "write_versioned_parquet"]
+__all__ = ["conform_table", "read_versioned_parquet", "write_atomic", "write_new", "write_versioned_parquet"]
 
 
 def write_atomic(path: Path, content: bytes | Callable[[Path], None], *, replace: bool = True) -> Path:
@@ -63,6 +66,31 @@ def _link_new(tmp: str, path: Path) -> None:
             raise
     else:
         os.unlink(tmp)
+
+
+def write_new(contents: Mapping[Path, bytes]) -> dict[Path, Path]:
+    """Write each file of ``contents`` (its bytes by the path it should have) replacing none: at its own path, or,
+    when one of the set's paths holds other bytes, the whole set at ``<stem>-<n><suffix>`` with the first n where
+    none does, so the files of one call share a number. A file that already holds the same bytes is kept as it is.
+    Returns the path each file has. Each is written by :func:`write_atomic` with ``replace=False``: a name taken
+    between the check and the write moves the set on to the next number (the set's files already written stay)."""
+    n = 0
+    while True:
+        targets = {path: path.with_name(f"{path.stem}-{n}{path.suffix}") if n else path for path in contents}
+        if not any(target.exists() and not _holds(target, contents[path]) for path, target in targets.items()):
+            try:
+                for path, target in targets.items():
+                    if not target.exists():
+                        write_atomic(target, contents[path], replace=False)
+                return targets
+            except FileExistsError:
+                pass
+        n += 1
+
+
+def _holds(path: Path, content: bytes) -> bool:
+    """Whether ``path`` is a file of exactly ``content`` (its size first: a file of another size is not read)."""
+    return path.is_file() and path.stat().st_size == len(content) and path.read_bytes() == content
 
 
 def write_versioned_parquet(table: pl.DataFrame, path: Path, version_key: str, version: int) -> Path:
