@@ -8,6 +8,11 @@ with n graded samples of a task of which c resolved, pass@k = 1 - C(n-c, k) / C(
 the tasks that have at least k samples (a task with fewer has no pass@k). Prints a table per harness and task
 and an overall one; writes the numbers to ``report.json`` and a grouped bar chart (overall pass@k by harness)
 to ``report.svg``, both in the first RUN_DIR. The chart is plain SVG: matplotlib is not a dependency.
+
+An earlier report is never replaced (issue 37): when ``report.json`` or the chart (``--plot`` too) already holds
+other bytes, both get the first number that is free for both (``report-1.json``, ``report-1.svg``), and the paths
+printed say so; a file identical to the one there is left as it is. So reporting again after more grading keeps
+every earlier report, and reporting again with nothing new adds no file.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from eval.runs import REWARDS, SESSIONS, read_rewards, read_sessions
+from reconstruct.files import write_new
 
 __all__ = ["Args", "main", "pass_at_k", "pass_table", "svg_chart"]
 
@@ -152,9 +158,11 @@ def main(args: Args) -> int:
     out_dir = args.run_dirs[0]
     runs = [str(run) for run in args.run_dirs]
     numbers = {"runs": runs, "overall": summary.to_dicts(), "per_task": per_task.to_dicts()}
-    (out_dir / "report.json").write_text(json.dumps(numbers, indent=1) + "\n")
-    plot = args.plot or out_dir / "report.svg"
-    plot.write_text(svg_chart(summary, ks, f"pass@k by harness ({summary['samples'].sum()} graded samples)"))
-    print(f"numbers: {out_dir / 'report.json'}")
-    print(f"plot:    {plot}")
+    numbers_path, plot = out_dir / "report.json", args.plot or out_dir / "report.svg"
+    chart = svg_chart(summary, ks, f"pass@k by harness ({summary['samples'].sum()} graded samples)")
+    written = write_new({numbers_path: (json.dumps(numbers, indent=1) + "\n").encode(), plot: chart.encode()})
+    if written[numbers_path] != numbers_path:  # the set moves together, so one file says whether it did
+        print(f"kept the earlier report ({numbers_path}, {plot}): this one has the first number free for both")
+    print(f"numbers: {written[numbers_path]}")
+    print(f"plot:    {written[plot]}")
     return 0

@@ -219,3 +219,22 @@ def test_report_pools_runs_and_counts_ungraded_sessions(tmp_path, capsys):
     assert [(r["harness"], r["n"], r["c"], r["pass@1"]) for r in numbers["per_task"]] == [("mini", 2, 1, 0.5)]
     assert (tmp_path / "chart.svg").exists()
     assert "1 sessions have no row in rewards.parquet" in capsys.readouterr().out
+
+
+def test_report_onto_a_folder_with_another_report_keeps_it_and_writes_a_numbered_one(tmp_path, capsys):
+    """Issue 37: a report already in the folder is kept; the same report again is not written twice."""
+    run = tmp_path / "run"
+    write_rewards(rewards_table({("mini", "t1"): [True, False]}), run)
+    report.main(report.Args((run,)))
+    first = {name: (run / name).read_bytes() for name in ("report.json", "report.svg")}
+    report.main(report.Args((run,)))  # the same numbers: nothing new to keep
+    assert sorted(p.name for p in run.glob("report*")) == ["report.json", "report.svg"]
+
+    write_rewards(rewards_table({("mini", "t1"): [True, True]}), run)  # graded again: other numbers
+    capsys.readouterr()
+    report.main(report.Args((run,)))
+    assert {name: (run / name).read_bytes() for name in first} == first
+    assert json.loads((run / "report-1.json").read_text())["overall"][0]["pass@1"] == 1.0
+    assert ElementTree.parse(run / "report-1.svg").getroot().tag == f"{SVG}svg"
+    out = capsys.readouterr().out
+    assert f"numbers: {run / 'report-1.json'}" in out and f"kept the earlier report ({run / 'report.json'}" in out
