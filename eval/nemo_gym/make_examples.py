@@ -8,6 +8,10 @@ through the same submission and verify-response code that app.py's /run uses (po
 applies the gold patch on the first three tasks (reward 1) and writes a stray file on the other two (reward 0). Token
 ids and log-probs are the model's own (teacher-forced), so tests can decode them with the same tokenizer, whose hash
 goes into example_rollouts.meta.json.
+
+It replaces no file (issue 37): if one of the three is already in --out it stops with exit status 2 naming it, before
+any work, and one that appears meanwhile is left as it is, with the same error. To make the committed examples
+again, remove them first.
 """
 
 from __future__ import annotations
@@ -24,23 +28,26 @@ from typing import Any
 
 import tyro
 
+from eval.errors import EvalError
 from eval.procs import Mitmdump, ReferenceServer, free_port
 from eval.rollout import instruction
 from eval.service.app import Args as ServiceArgs
 from eval.service.app import serve
 from eval.tasks import load_tasks
 from eval.upstream.models import build_tiny
+from reconstruct.files import write_atomic
 
 AGENT = Path(__file__).resolve().parent / "responses_api_agents" / "polar_swe_agent"
 sys.path.insert(0, str(AGENT))
 from polar_gym import ServiceClient, submission, verify_response  # noqa: E402
 
 N_EXAMPLES, N_RESOLVED = 5, 3
+FILES = ("example.jsonl", "example_rollouts.jsonl", "example_rollouts.meta.json")
 
 
 @dataclasses.dataclass
 class Args:
-    """Regenerate data/example.jsonl and data/example_rollouts.jsonl."""
+    """Make data/example.jsonl and data/example_rollouts.jsonl again (into a folder that holds neither)."""
 
     out: Path = AGENT / "data"
     """Folder for example.jsonl, example_rollouts.jsonl and example_rollouts.meta.json."""
@@ -75,7 +82,14 @@ def row(task: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def exists_error(path: Path) -> EvalError:
+    return EvalError(f"{path} exists: remove it to make the examples again, or give --out a new folder")
+
+
 def main(args: Args) -> int:
+    for path in (args.out / name for name in FILES):
+        if path.exists():  # before the minute of work, not after it
+            raise exists_error(path)
     tasks = sorted(load_tasks("toy"), key=lambda t: len(t["patch"]))[:N_EXAMPLES]  # short patches: fast teacher forcing
     rows = [row(t) for t in tasks]
     with tempfile.TemporaryDirectory(prefix="polar-gym-examples-") as tmp_name:
@@ -103,18 +117,28 @@ def main(args: Args) -> int:
                 rollouts = list(pool.map(rollout, range(len(rows))))
             http.shutdown()
         tokenizer_sha = hashlib.sha256((model / "tokenizer.json").read_bytes()).hexdigest()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "example.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (args.out / "example_rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rollouts))
     meta = {
         "model": "python -m eval models tiny",
         "tokenizer_sha256": tokenizer_sha,
         "command": "python -m eval.nemo_gym.make_examples",
     }
-    (args.out / "example_rollouts.meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    contents = [
+        "".join(json.dumps(r) + "\n" for r in rows),
+        "".join(json.dumps(r) + "\n" for r in rollouts),
+        json.dumps(meta, indent=1) + "\n",
+    ]
+    for name, text in zip(FILES, contents, strict=True):
+        try:
+            write_atomic(args.out / name, text.encode(), replace=False)
+        except FileExistsError as e:  # a file made there while the examples were being made
+            raise exists_error(args.out / name) from e
     print(f"wrote {args.out}/example.jsonl, example_rollouts.jsonl, example_rollouts.meta.json")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(tyro.cli(Args, description=__doc__)))
+    try:
+        sys.exit(main(tyro.cli(Args, description=__doc__)))
+    except EvalError as e:  # as python -m eval prints its commands' errors
+        print(f"python -m eval.nemo_gym.make_examples: error: {e}", file=sys.stderr)
+        sys.exit(2)

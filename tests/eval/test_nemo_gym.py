@@ -234,3 +234,16 @@ def test_gym_models_accept_the_rows_and_rollouts():
     done = subprocess.run([python, "check_gym.py"], cwd=AGENT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1]) == {"rows": len(ROWS), "rollouts": len(ROLLOUTS)}
+
+
+@pytest.mark.slow
+def test_make_examples_refuses_a_folder_that_holds_examples_before_making_any(tmp_path):
+    """Issue 37: regenerating onto examples already there is refused (exit 2, naming the file), not a silent
+    replacement; the refusal comes before the minute of work, and the folder is left as it was."""
+    (tmp_path / "example_rollouts.jsonl").write_text("an earlier rollout\n")
+    cli = [sys.executable, "-m", "eval.nemo_gym.make_examples", "--out", str(tmp_path)]
+    done = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"{tmp_path / 'example_rollouts.jsonl'} exists" in done.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["example_rollouts.jsonl"]
+    assert (tmp_path / "example_rollouts.jsonl").read_text() == "an earlier rollout\n"
