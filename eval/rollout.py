@@ -46,13 +46,13 @@ from rich.table import Table
 from addon.session import is_session_id, looks_secret, read_secret, signed_key
 from eval.errors import EvalError
 from eval.harness.install import install
-from eval.harness.mini import __file__ as MINI_FILE
-from eval.harness.presets import PRESETS, HarnessRun, Name, prepare
+from eval.harness.presets import MINI, PRESETS, HarnessRun, Name, prepare
 from eval.harness.transparent import run_transparent
 from eval.procs import check_proxy
 from eval.runs import LOGS, SESSION_STATUSES, SESSIONS, SESSIONS_SCHEMA, TASKS, write_sessions
 from eval.runtime import RUNTIMES, Limits, PatchError, RuntimeName, remove_run, take_patch
 from eval.tasks import checkout, load_tasks, save_tasks
+from reconstruct.files import write_atomic
 
 __all__ = ["Args", "instruction", "main", "session_id"]
 
@@ -309,7 +309,7 @@ def _mounts(harness: str) -> list[Path]:
     install (its own Node 22 runs on a minbase image) or mini.py."""
     if PRESETS[harness].npm:
         return [install().parent.parent]
-    return [Path(MINI_FILE)] if harness == "mini" else []
+    return [MINI] if harness == "mini" else []
 
 
 def run_all(jobs: list[Job], args: Args, work_root: Path, logs: Path) -> list[dict[str, Any]]:
@@ -372,7 +372,12 @@ def main(args: Args) -> int:
             )
     run_dir = args.out
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_tasks(tasks, run_dir / TASKS)
+    # A folder a killed run left (tasks, no sessions table) is reused only for the same tasks: never replaced.
+    with tempfile.TemporaryDirectory(prefix="polar-tasks-") as tmp:
+        wanted = save_tasks(tasks, Path(tmp) / TASKS).read_bytes()
+    if (run_dir / TASKS).exists() and (run_dir / TASKS).read_bytes() != wanted:
+        raise EvalError(f"{run_dir / TASKS} holds other tasks (another run's): give --out a new run folder")
+    write_atomic(run_dir / TASKS, wanted)
 
     run_tag = f"{run_dir.resolve().name}-{secrets.token_hex(3)}"  # the nonce keeps reruns into a same-named dir apart
     jobs = [

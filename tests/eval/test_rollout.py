@@ -17,6 +17,7 @@ import pytest
 import eval.join
 import eval.score
 from eval import rollout
+from eval.errors import EvalError
 from eval.harness.presets import MINI
 from eval.rollout import Args, main, session_id
 from eval.runs import read_rewards, read_sessions
@@ -220,3 +221,26 @@ def test_args_refuse_contradictions(tmp_path):
     (tmp_path / "sessions.parquet").write_text("")
     with pytest.raises(ValueError, match="give --out a new run folder"):
         Args(tasks="toy", harness="mini", proxy="http://x", out=tmp_path)
+
+
+def test_a_run_folder_with_another_runs_tasks_is_refused_and_left_as_it_was(tasks, tmp_path):
+    """A folder a killed run left (its tasks.jsonl, no sessions table) is reused only for the same tasks."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "tasks.jsonl").write_text('{"instance_id": "another run"}\n')
+    args = Args(
+        tasks="toy",
+        instance_ids=(tasks["fixed"]["instance_id"],),
+        harness="shell",
+        command="true {instruction}",
+        proxy="http://127.0.0.1:9",
+        out=out,
+        proxy_check=False,
+    )
+    with pytest.raises(EvalError, match="holds other tasks"):
+        main(args)
+    assert (out / "tasks.jsonl").read_text() == '{"instance_id": "another run"}\n'
+    (out / "tasks.jsonl").unlink()
+    assert main(args) == 0  # writes it, then a rerun into the same folder with the same tasks may go on
+    (out / "sessions.parquet").unlink()
+    assert main(args) == 0
