@@ -6,10 +6,13 @@
 
 - **A capture proxy per node.** :class:`CaptureProxy` is a Ray actor pinned to its node that owns one ``mitmdump``
   with the addon in front of ``--upstream`` (``127.0.0.1`` there is that node's own inference server) and answers
-  only once ``GET /polar/health`` says it records (:class:`eval.procs.Mitmdump`). It holds no CPU.
+  only once ``GET /polar/health`` says it records (:class:`eval.procs.Mitmdump`). It holds no CPU. It checks
+  session keys against a secret of its own (addon/session.py): a session gets its key signed for its node's proxy,
+  and nothing else can write into that proxy's captures.
 - **Sessions are Ray tasks** of one CPU each, placed by Ray's scheduler where a CPU is free. A session runs its
-  harness against the proxy of the node it landed on, then grades its patch there (``eval.score.grade``): the
-  checkout is already on that node's disk, and grading needs no other node.
+  harness against the proxy of the node it landed on, in ``--runtime`` (eval/runtime.py), then grades its patch
+  there: ``eval.score.grade`` after ``local`` (the checkout is already on that node's disk), swebench's
+  ``run_instance`` in a fresh container after ``docker`` (the node's daemon must have the task images).
 - **The run folder is a one-machine run's**: ``tasks.jsonl``, ``sessions.parquet`` (written by eval/rollout.py),
   ``rewards.parquet``, ``logs/<session_id>/``, and every node's captures under ``captures/<node>/``. Record ids
   are random per record (addon/record.py), so the gathered folders hold no two records with one id. A capture file
@@ -45,9 +48,9 @@ import ray.exceptions
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from eval.errors import EvalError
-from eval.procs import Mitmdump, check_proxy
+from eval.procs import Mitmdump, check_proxy, new_secret_file
 from eval.runs import FORMAT_VERSION, LOGS, REWARDS_SCHEMA, VERSION_KEY, RunError, write_rewards
-from eval.score import HARNESS_FAILED, Grade, grade
+from eval.score import HARNESS_FAILED, Grade, grade, grade_docker
 from reconstruct.files import conform_table, read_versioned_parquet, write_new, write_versioned_parquet
 
 __all__ = ["CAPTURES", "LOST", "LOST_SCHEMA", "MAX_ATTEMPTS", "CaptureProxy", "read_lost", "run_round", "write_lost"]
@@ -85,10 +88,15 @@ class CaptureProxy:
     def __init__(self, upstream: str) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="polar-ray-proxy-"))
         self.captures = self.root / CAPTURES
-        self.mitm = Mitmdump(upstream, self.captures, log=self.root / "mitmdump.log")  # waits for /polar/health
+        # Its own secret: only this node's sessions, given keys signed with it, can write into its captures.
+        self.secret = new_secret_file(self.root / "secret")
+        self.mitm = Mitmdump(upstream, self.captures, log=self.root / "mitmdump.log", secret_file=self.secret)
 
     def url(self) -> str:
         return self.mitm.url
+
+    def secret_file(self) -> str:
+        return str(self.secret)
 
     def health(self) -> dict[str, Any]:
         return check_proxy(self.mitm.url)
@@ -104,33 +112,52 @@ class CaptureProxy:
         return files
 
 
-def grade_session(task: dict[str, Any], row: dict[str, Any], timeout: float, log_dir: Path) -> Grade:
-    """The grade ``python -m eval score`` gives a session row: no patch is graded as nothing to run."""
+def grade_session(
+    task: dict[str, Any], row: dict[str, Any], timeout: float, log_dir: Path, *, docker_run: str | None = None
+) -> Grade:
+    """The grade ``python -m eval score`` gives a session row: no patch is graded as nothing to run. With
+    ``docker_run`` (a run id), in a fresh container of the task's image, as ``--runner docker`` grades."""
     if not (row["patch"] or "").strip():
         reason = "session_failed" if row["status"] in HARNESS_FAILED else "empty_patch"
         log_dir.mkdir(parents=True, exist_ok=True)
         (log_dir / "eval.log").write_text(f"{reason}: no patch to grade\n")
         return Grade(reward=0.0, resolved=False, reason=reason, report=None)
-    return grade(task, row["patch"], timeout=timeout, log_dir=log_dir)
+    if docker_run is None:
+        return grade(task, row["patch"], timeout=timeout, log_dir=log_dir)
+    import docker
+
+    client = docker.from_env()
+    try:
+        return grade_docker(
+            task, row["patch"], timeout=timeout, log_dir=log_dir, session_id=row["session_id"], client=client,
+            run_id=docker_run,
+        )  # fmt: skip
+    finally:
+        client.close()
 
 
 @ray.remote(num_cpus=1, max_retries=0)
-def _session(job: Any, args: Any, proxies: dict[str, str], roll_out: RollOut) -> dict[str, Any]:
-    """One session on this node: harness through the node's proxy, then grading; the row, grade and logs."""
+def _session(job: Any, args: Any, proxies: dict[str, tuple[str, str]], roll_out: RollOut) -> dict[str, Any]:
+    """One session on this node: harness through the node's proxy (in ``args.runtime``), then grading (in a fresh
+    container with the docker runtime); the row, grade and logs."""
     node = ray.get_runtime_context().get_node_id()
     if node not in proxies:
         raise EvalError(f"no capture proxy on node {node}: it joined the cluster after the round started")
+    url, secret = proxies[node]
     with tempfile.TemporaryDirectory(prefix="polar-ray-session-") as tmp:
         logs = Path(tmp) / LOGS
-        here = dataclasses.replace(args, proxy=proxies[node], ray=None)  # a one-machine session on this node
+        # A one-machine session on this node, its key signed for this node's proxy.
+        here = dataclasses.replace(args, proxy=url, session_secret=Path(secret), ray=None)
         row = roll_out(job, here, Path(tmp) / "work", logs)
-        result = grade_session(job.task, row, args.grade_timeout, logs / job.session_id)
+        docker_run = job.run_tag if args.runtime == "docker" else None
+        result = grade_session(job.task, row, args.grade_timeout, logs / job.session_id, docker_run=docker_run)
         files = {str(p.relative_to(logs)): p.read_bytes() for p in logs.rglob("*") if p.is_file()}
     return {"node": node, "row": row, "grade": result, "logs": files}
 
 
-def _start_proxies(upstream: str, proxy_check: bool) -> tuple[dict[str, Any], dict[str, str]]:
-    """A proxy actor on every alive node; (actors, urls) by node id, once each answers as a recording addon."""
+def _start_proxies(upstream: str, proxy_check: bool) -> tuple[dict[str, Any], dict[str, tuple[str, str]]]:
+    """A proxy actor on every alive node; (actors, (url, secret file)) by node id, once each answers as a recording
+    addon."""
     alive = ray.nodes()  # type: ignore[no-untyped-call]  # ray 2.60 leaves it unannotated
     nodes = [n["NodeID"] for n in alive if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
     if not nodes:
@@ -144,7 +171,7 @@ def _start_proxies(upstream: str, proxy_check: bool) -> tuple[dict[str, Any], di
     urls = {}
     for node, actor in actors.items():
         try:
-            urls[node] = ray.get(actor.url.remote())
+            urls[node] = (ray.get(actor.url.remote()), ray.get(actor.secret_file.remote()))
             if proxy_check:
                 ray.get(actor.health.remote())
         except ray.exceptions.RayError as e:
@@ -233,7 +260,7 @@ def _alive(actor: Any) -> bool:
     return True
 
 
-def _gather_captures(actors: dict[str, Any], urls: dict[str, str], folder: Path) -> None:
+def _gather_captures(actors: dict[str, Any], urls: dict[str, tuple[str, str]], folder: Path) -> None:
     for node in urls:
         try:
             files = ray.get(actors[node].finish.remote())
