@@ -2,6 +2,7 @@
 
     python -m eval serve-rollouts --proxy http://127.0.0.1:8080 --captures captures --root runs/service \\
         [--port 8090] [--workers 2] [--session-concurrency 1] [--token-file FILE] [--tokenizer DIR]
+        [--runtime local|docker]
 
 The proxy (mitmdump with addon/polar.py) is the user's; ``--captures`` is its ``polar_dir`` (checked at start against
 the proxy's ``GET /polar/health``: the service refuses a proxy that would not record, or records elsewhere). Every job
@@ -13,13 +14,19 @@ or reconstruction is kept in the job's ``phase_errors`` and its sessions score r
 service goes on. ``job.json`` (written atomically) holds the parameters and the status, so a restart lists every
 finished job; jobs still queued are queued again, jobs caught running are marked failed.
 
+Where sessions run is the job's ``runtime`` (default: the service's ``--runtime``), passed on as ``python -m eval
+rollout --runtime`` (eval/runtime.py): ``local`` runs the harness and the model's commands on this machine
+(unsafe for untrusted models); ``docker`` runs each session in its task's own image with no network but its proxy,
+and grades it in a fresh container (``python -m eval score --runner docker``).
+
 Routes (JSON; with ``--token-file`` every route but /health needs ``Authorization: Bearer <token>``):
 
     GET  /health                       {status: "ok", proxy, jobs: {queued, running, done, failed, cancelled}}
     POST /v1/jobs                      202 {job_id, status: "queued"}; 400 {error} naming the field. Body:
          {"instance": {SWE-bench 5.x instance} | "instance_id": ID [, "tasks": "toy" | FILE],
           "harness": a preset name (eval/harness/presets.py), "samples": 1, "timeout": 1800 (s per
-          session), "model": "tiny", "max_tokens": null, "command": null (shell only), "metadata": {}}
+          session), "model": "tiny", "max_tokens": null, "command": null (shell only), "metadata": {},
+          "runtime": the service's --runtime | "local" | "docker" (eval/runtime.py RUNTIMES)}
     GET  /v1/jobs                      {jobs: [job.json, ...]}
     GET  /v1/jobs/<id>                 job.json: {job_id, status: queued|running|done|failed|cancelled, phase,
                                        params, submitted_at, started_at, finished_at, error, phase_errors}
@@ -49,8 +56,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from eval.containers import ContainerError, require_daemon
 from eval.harness.presets import PRESETS
 from eval.procs import ProxyNotRecording, check_proxy, stop_tree
+from eval.runtime import RUNTIMES, RuntimeName
 from eval.service.results import copy_session_records, session_results
 from eval.tasks import TaskError, load_tasks, save_tasks, validate
 from reconstruct.files import write_atomic
@@ -90,6 +99,11 @@ class Args:
     """Sessions of one job run at a time (python -m eval rollout --concurrency)."""
     grade_timeout: float = 900.0
     """Seconds one eval script may run (python -m eval score --timeout)."""
+    # ---- where sessions run (eval/runtime.py)
+    runtime: RuntimeName = "local"
+    """A job's runtime unless it names one: local runs the harness and the model's commands on this machine,
+    UNSAFE for untrusted models; docker runs each session in its task's image (python -m eval images build) with
+    no network but its proxy, and grades it in a fresh container (score --runner docker)."""
     # ---- reconstruction
     tokenizer: str | None = None
     """Passed to python -m reconstruct --tokenizer, for calls captured without token ids."""
@@ -103,6 +117,8 @@ class Args:
             raise ValueError(f"--host {self.host} is not loopback: add --allow-remote (and --token-file) to mean it")
         if self.token_file is not None and not self.token_file.read_text().strip():
             raise ValueError(f"--token-file {self.token_file} is empty")
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"--runtime {self.runtime!r}: not one of {', '.join(RUNTIMES)}")
 
 
 class JobError(ValueError):
@@ -122,8 +138,9 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     write_atomic(path, json.dumps(data, indent=1).encode())
 
 
-def parse_submission(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the instance, the job parameters) of a ``POST /v1/jobs`` body; JobError naming the field otherwise."""
+def parse_submission(body: Any, runtime: str = "local") -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the instance, the job parameters) of a ``POST /v1/jobs`` body, ``runtime`` the service's default;
+    JobError naming the field otherwise."""
     if not isinstance(body, dict):
         raise JobError("the body must be a JSON object")
     known = {
@@ -137,6 +154,7 @@ def parse_submission(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         "max_tokens",
         "command",
         "metadata",
+        "runtime",
     }
     if extra := sorted(set(body) - known):
         raise JobError(f"unknown fields {extra}; known: {sorted(known)}")
@@ -157,6 +175,7 @@ def parse_submission(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         "max_tokens": body.get("max_tokens"),
         "command": body.get("command"),
         "metadata": body.get("metadata", {}),
+        "runtime": body.get("runtime", runtime),
         "instance_id": instance["instance_id"],
     }
     if params["harness"] not in HARNESSES:
@@ -173,7 +192,53 @@ def parse_submission(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         raise JobError('command: the shell harness needs a "command" string, and only it takes one')
     if not isinstance(params["metadata"], dict):
         raise JobError("metadata: must be a JSON object")
+    if not (isinstance(params["runtime"], str) and params["runtime"] in RUNTIMES):
+        raise JobError(f"runtime: {params['runtime']!r} is not one of {list(RUNTIMES)}")
     return instance, params
+
+
+def runtime_of(params: dict[str, Any]) -> str:
+    """A job's runtime: ``local`` for one submitted before jobs had one (its job.json has none)."""
+    runtime: str = params.get("runtime", "local")
+    return runtime
+
+
+def rollout_command(args: Args, folder: Path, params: dict[str, Any]) -> list[str]:
+    """``python -m eval rollout`` for the job in ``folder``, into ``folder/run``."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "eval",
+        "rollout",
+        "--tasks",
+        str(folder / "instance.jsonl"),
+        "--out",
+        str(folder / "run"),
+        "--harness",
+        params["harness"],
+        "--samples",
+        str(params["samples"]),
+        "--proxy",
+        args.proxy,
+        "--model",
+        params["model"],
+        "--timeout",
+        str(params["timeout"]),
+        "--concurrency",
+        str(args.session_concurrency),
+        "--runtime",
+        runtime_of(params),
+    ]
+    cmd += ["--command", params["command"]] if params["command"] is not None else []
+    cmd += ["--max-tokens", str(params["max_tokens"])] if params["max_tokens"] is not None else []
+    return cmd
+
+
+def score_command(args: Args, folder: Path, params: dict[str, Any]) -> list[str]:
+    """``python -m eval score`` on the job's run: in a fresh container when its sessions ran in one."""
+    runner = "docker" if runtime_of(params) == "docker" else "local"
+    cmd = [sys.executable, "-m", "eval", "score", str(folder / "run"), "--timeout", str(args.grade_timeout)]
+    return [*cmd, "--concurrency", "1", "--runner", runner]
 
 
 class Service:
@@ -200,7 +265,12 @@ class Service:
 
     # ---- the routes' operations
     def submit(self, body: Any) -> dict[str, Any]:
-        instance, params = parse_submission(body)
+        instance, params = parse_submission(body, self.args.runtime)
+        if params["runtime"] == "docker":  # refused now, not as a job whose every session fails to start
+            try:
+                require_daemon()
+            except ContainerError as e:
+                raise JobError(f"runtime: docker: {e}") from e
         job_id = f"job-{datetime.datetime.now(datetime.UTC):%Y%m%dT%H%M%S}-{secrets.token_hex(4)}"
         folder = self.root / job_id
         folder.mkdir()
@@ -283,35 +353,12 @@ class Service:
     def _run(self, job_id: str) -> tuple[str, str | None]:
         folder, params, py = self.root / job_id, self.job(job_id)["params"], sys.executable
         run = folder / "run"
-        rollout = [
-            py,
-            "-m",
-            "eval",
-            "rollout",
-            "--tasks",
-            str(folder / "instance.jsonl"),
-            "--out",
-            str(run),
-            "--harness",
-            params["harness"],
-            "--samples",
-            str(params["samples"]),
-            "--proxy",
-            self.args.proxy,
-            "--model",
-            params["model"],
-            "--timeout",
-            str(params["timeout"]),
-            "--concurrency",
-            str(self.args.session_concurrency),
-        ]
-        rollout += ["--command", params["command"]] if params["command"] is not None else []
-        rollout += ["--max-tokens", str(params["max_tokens"])] if params["max_tokens"] is not None else []
+        rollout = rollout_command(self.args, folder, params)
         waves = -(-params["samples"] // self.args.session_concurrency)
         if error := self._phase(job_id, "rollout", rollout, waves * params["timeout"] + PHASE_SLACK_S):
             return "failed", error
         # A failed grade or reconstruction leaves the sessions and their patches: recorded, and the job is done.
-        score = [py, "-m", "eval", "score", str(run), "--timeout", str(self.args.grade_timeout), "--concurrency", "1"]
+        score = score_command(self.args, folder, params)
         score_limit = params["samples"] * self.args.grade_timeout + PHASE_SLACK_S
         graded = self._phase(job_id, "score", score, score_limit) is None
         if self.job(job_id)["status"] != "running":
@@ -462,7 +509,9 @@ def check_capture_proxy(args: Args) -> None:
 def main(args: Args) -> int:
     try:
         check_capture_proxy(args)
-    except ProxyNotRecording as e:
+        if args.runtime == "docker":
+            require_daemon()  # a job may still name local; this service's default must be able to run
+    except (ProxyNotRecording, ContainerError) as e:
         print(f"rollout service: error: {e}", file=sys.stderr)
         return 2
     server, service = serve(args)

@@ -251,3 +251,62 @@ def test_args_and_submissions_are_checked_before_anything_runs(tmp_path):
             parse_submission(body)
     instance, params = parse_submission({"instance_id": task["instance_id"], "harness": "pi", "samples": 3})
     assert instance["instance_id"] == task["instance_id"] and (params["samples"], params["timeout"]) == (3, 1800.0)
+
+
+def test_the_runtime_reaches_the_rollout_and_the_grade_and_a_bad_one_is_refused(tmp_path):
+    """A job's ``runtime`` (default: the service's --runtime) is the rollout's --runtime; a docker job is graded in a
+    fresh container (score --runner docker). An unknown runtime is refused with the field named, at submission and
+    at the command line."""
+    import tyro
+
+    from eval.service.app import Args, JobError, parse_submission, rollout_command, score_command
+
+    def flag(cmd, name):
+        return cmd[cmd.index(name) + 1]
+
+    task = load_tasks("toy")[0]
+    body = {"instance": task, "harness": "mini"}
+    assert Args(proxy="http://127.0.0.1:8080", captures=tmp_path).runtime == "local"  # the default keeps behaviour
+    with pytest.raises(ValueError, match=r"--runtime 'podman': not one of local, docker"):
+        Args(proxy="http://127.0.0.1:8080", captures=tmp_path, runtime="podman")
+    cli = ["--proxy", "http://127.0.0.1:8080", "--captures", str(tmp_path)]
+    with pytest.raises(SystemExit):
+        tyro.cli(Args, args=[*cli, "--runtime", "podman"])
+    assert tyro.cli(Args, args=[*cli, "--runtime", "docker"]).runtime == "docker"
+    for bad in ("podman", 3, None):
+        with pytest.raises(JobError, match=re.escape(f"runtime: {bad!r} is not one of ['local', 'docker']")):
+            parse_submission(body | {"runtime": bad})
+
+    for service, submitted, runtime, runner in [
+        ("local", {}, "local", "local"),
+        ("docker", {}, "docker", "docker"),
+        ("local", {"runtime": "docker"}, "docker", "docker"),
+        ("docker", {"runtime": "local"}, "local", "local"),
+    ]:
+        args = Args(proxy="http://127.0.0.1:8080", captures=tmp_path, runtime=service)
+        _, params = parse_submission(body | submitted, args.runtime)
+        assert params["runtime"] == runtime
+        rollout, score = rollout_command(args, tmp_path / "job", params), score_command(args, tmp_path / "job", params)
+        assert rollout[2:4] == ["eval", "rollout"] and flag(rollout, "--runtime") == runtime
+        assert score[2:5] == ["eval", "score", str(tmp_path / "job" / "run")] and flag(score, "--runner") == runner
+    # A job.json from before jobs had a runtime runs as it did then.
+    legacy = {k: v for k, v in params.items() if k != "runtime"}
+    assert flag(rollout_command(args, tmp_path / "job", legacy), "--runtime") == "local"
+
+
+def test_a_docker_job_is_refused_where_no_daemon_answers(tmp_path, monkeypatch):
+    from eval.containers import require_daemon
+    from eval.service.app import Args, JobError, Service
+
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/polar-test.sock")
+    require_daemon.cache_clear()
+    service = Service(Args(proxy="http://127.0.0.1:8080", captures=tmp_path, root=tmp_path / "jobs", workers=1))
+    body = {"instance_id": load_tasks("toy")[0]["instance_id"], "harness": "mini", "runtime": "docker"}
+    try:
+        with pytest.raises(
+            JobError, match=r"^runtime: docker: (no Docker daemon answered at unix:///nonexistent|the docker CLI)"
+        ):
+            service.submit(body)
+    finally:
+        require_daemon.cache_clear()
+    assert service.jobs() == [] and list((tmp_path / "jobs").iterdir()) == []
