@@ -24,6 +24,7 @@ VERBS = {
     "join": ("eval.join", "fill task ids, samples and rewards into a trajectories Parquet"),
     "report": ("eval.report", "pass@1 / pass@k per task and harness, with a plot"),
     "tasks": ("eval.taskgen_cli", "the generated task family: list, validate with swebench, export as JSONL"),
+    "images": ("eval.images", "the Docker images tasks run in: build (no registry needed), list, prune"),
     # the harnesses
     "harness": ("eval.harness.presets", "install the pinned harness CLIs; run one harness through the proxy"),
     "transparent": ("eval.harness.transparent", "run a harness on its provider's own URL through a regular proxy"),

@@ -21,7 +21,7 @@ from unidiff.patch import PatchSet
 
 from eval.errors import EvalError
 
-__all__ = ["GIT_ENV", "TaskError", "base_commit", "eval_script", "git", "write_repo"]
+__all__ = ["GIT_ENV", "TaskError", "base_commit", "eval_script", "git", "image_tag", "write_repo"]
 
 # A fixed identity and clock and no user/system config: the same files always give the same commit hash.
 GIT_ENV = {
@@ -40,6 +40,12 @@ HEREDOC = "EOF_POLAR_TEST_PATCH"
 
 class TaskError(EvalError):
     """A task that cannot be loaded or checked out; the message names the file or instance and the field."""
+
+
+def image_tag(repo: str, commit: str) -> str:
+    """The ``image`` of a task we build ourselves (``python -m eval images build``, eval/images.py): the
+    repository at its base commit, so the name changes whenever the checkout would."""
+    return f"{repo}:{commit[:12]}"
 
 
 def eval_script(base_commit: str, test_patch: str) -> str:

@@ -38,7 +38,7 @@ from typing import Any
 from swebench.harness.constants import EvalType
 from unidiff.patch import PatchSet
 
-from eval.instances import TaskError, base_commit, eval_script
+from eval.instances import TaskError, base_commit, eval_script, image_tag
 
 __all__ = [
     "KINDS",
@@ -365,8 +365,8 @@ def make(seed: int, split: str, index: int) -> Made:
         "FAIL_TO_PASS": [f"{test_path}::test_{fn}"],
         "PASS_TO_PASS": [f"{test_path}::test_{decoy}"],
         "environment_setup_commit": commit,
-        # make_test_spec requires an image name; none is built for generated tasks (the local runner needs none).
-        "image": f"{OWNER}/{module}:unbuilt",
+        # Content-named: `python -m eval images build` makes it (eval/images.py); the local runner needs none.
+        "image": image_tag(f"{OWNER}/{module}", commit),
         "log_parser": "parse_log_pytest",
         "eval_type": EvalType.PASS_AND_FAIL.value,
         "eval_script": eval_script(commit, test_patch),

@@ -9,7 +9,9 @@ files, and checkouts.
 
 Instances have the SWE-bench 5.x shape: the ``SWEbenchInstance`` fields plus what ``make_test_spec`` needs
 (``image, log_parser, eval_type, eval_script``). Every spec goes through swebench's own
-``load_swebench_dataset``; ``"toy"`` and ``"family..."`` are first written to a temporary JSONL for it.
+``load_swebench_dataset``; ``"toy"`` and ``"family..."`` are first written to a temporary JSONL for it. A toy or
+generated task's ``image`` is ``<repo>:<base_commit[:12]>``, which ``python -m eval images build`` makes
+(eval/images.py); other instances name their own (SWE-bench's on Docker Hub).
 
 The toy suite: each ``eval/toy/<name>/`` holds ``repo/`` (the repository at ``base_commit``, as plain files),
 ``gold.patch`` (the reference fix), ``test.patch`` (the tests that check it) and ``task.json`` (issue text,
@@ -41,7 +43,7 @@ from swebench.harness.log_parsers import PARSER_REGISTRY
 from swebench.harness.utils import load_swebench_dataset
 
 from eval import taskgen
-from eval.instances import TaskError, eval_script, git, write_repo
+from eval.instances import TaskError, eval_script, git, image_tag, write_repo
 
 __all__ = [
     "FAMILY",
@@ -158,8 +160,8 @@ def toy_instance(folder: Path) -> dict[str, Any]:
         "FAIL_TO_PASS": meta["FAIL_TO_PASS"],
         "PASS_TO_PASS": meta["PASS_TO_PASS"],
         "environment_setup_commit": meta["base_commit"],
-        # make_test_spec requires an image name; none is built for toy tasks (the local runner needs none).
-        "image": f"{TOY_REPO_OWNER}/{folder.name}:unbuilt",
+        # Content-named: `python -m eval images build` makes it (eval/images.py); the local runner needs none.
+        "image": image_tag(f"{TOY_REPO_OWNER}/{folder.name}", meta["base_commit"]),
         "log_parser": "parse_log_pytest",
         "eval_type": EvalType.PASS_AND_FAIL.value,
         "eval_script": eval_script(meta["base_commit"], test_patch),
