@@ -30,7 +30,15 @@ HOW_TO_INSTALL = (  # nemo-gym 0.4.0 is the newest release for Python 3.12; 0.5 
 TRIPLE = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
 sys.path.insert(0, str(AGENT))
-from polar_gym import MASK_REASONS, calls_of, contiguity_errors, verify_response  # noqa: E402
+from polar_gym import (  # noqa: E402
+    MASK_REASONS,
+    RUNTIMES,
+    calls_of,
+    check_runtime,
+    contiguity_errors,
+    submission,
+    verify_response,
+)
 
 sys.path.remove(str(AGENT))
 
@@ -247,3 +255,41 @@ def test_make_examples_refuses_a_folder_that_holds_examples_before_making_any(tm
     assert f"{tmp_path / 'example_rollouts.jsonl'} exists" in done.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["example_rollouts.jsonl"]
     assert (tmp_path / "example_rollouts.jsonl").read_text() == "an earlier rollout\n"
+
+
+# ---- runtime: where the service runs the agent's sessions (eval/runtime.py), set in the agent's config
+
+
+def test_the_agent_forwards_its_runtime_to_the_service_and_on_to_the_rollout(tmp_path):
+    """The config's ``runtime`` goes into the job body; the service passes it to ``eval rollout --runtime`` (and a
+    docker job's grade to ``--runner docker``); null leaves it to the service's own --runtime."""
+    from eval.runtime import RUNTIMES as POLAR_RUNTIMES
+    from eval.service.app import Args, parse_submission, rollout_command, score_command
+
+    assert tuple(POLAR_RUNTIMES) == RUNTIMES  # the agent's copy of the names (it runs in Gym's venv, not ours)
+    config = yaml.safe_load((AGENT / "configs" / "polar_swe_agent.yaml").read_text())
+    assert config["polar_swe_agent"]["responses_api_agents"]["polar_swe_agent"]["runtime"] is None
+    row = ROWS[0]
+    service = Args(proxy="http://127.0.0.1:8080", captures=tmp_path, runtime="local")
+    for runtime, ran, runner in (("docker", "docker", "docker"), ("local", "local", "local"), (None, "local", "local")):
+        body = submission(row, harness="mini", model="tiny", timeout=60.0, runtime=runtime)
+        assert body.get("runtime") == runtime and ("runtime" in body) == (runtime is not None)
+        _, params = parse_submission(body, service.runtime)
+        rollout, score = rollout_command(service, tmp_path, params), score_command(service, tmp_path, params)
+        assert rollout[rollout.index("--runtime") + 1] == ran and score[score.index("--runner") + 1] == runner
+    assert parse_submission(submission(row, harness="mini", model="tiny", timeout=60.0), "docker")[1]["runtime"] == (
+        "docker"
+    )  # null: the service's --runtime
+
+
+def test_the_agent_refuses_an_unknown_runtime():
+    for bad in ("podman", "Docker", ""):
+        with pytest.raises(ValueError, match=re.escape(f"runtime: {bad!r} is not one of ['local', 'docker']")):
+            check_runtime(bad)
+        with pytest.raises(ValueError, match="is not one of"):
+            submission(ROWS[0], harness="mini", model="tiny", timeout=60.0, runtime=bad)
+    assert [check_runtime(r) for r in (None, "local", "docker")] == [None, "local", "docker"]
+    # app.py's config checks the field with the same function, so Gym stops at start on a bad one.
+    app = (AGENT / "app.py").read_text()
+    assert '@field_validator("runtime")' in app and "return check_runtime(runtime)" in app
+    assert "runtime=config.runtime" in app

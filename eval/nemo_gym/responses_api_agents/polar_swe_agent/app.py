@@ -18,8 +18,8 @@ from fastapi import Body, FastAPI, HTTPException
 from nemo_gym.base_resources_server import BaseRunRequest, BaseVerifyResponse
 from nemo_gym.base_responses_api_agent import BaseResponsesAPIAgentConfig, SimpleResponsesAPIAgent
 from nemo_gym.openai_utils import NeMoGymResponse, NeMoGymResponseCreateParamsNonStreaming
-from polar_gym import ServiceClient, submission, verify_response
-from pydantic import ConfigDict
+from polar_gym import ServiceClient, check_runtime, submission, verify_response
+from pydantic import ConfigDict, field_validator
 
 
 class PolarSWEAgentConfig(BaseResponsesAPIAgentConfig):
@@ -31,12 +31,20 @@ class PolarSWEAgentConfig(BaseResponsesAPIAgentConfig):
     """Harness preset run on each task, unless a row's metadata.harness says otherwise."""
     model_name: str = "policy"
     """Model name the harness asks the proxy for, unless a row's responses_create_params.model says otherwise."""
+    runtime: str | None = None
+    """Where the service runs each session (polar_gym.RUNTIMES): "docker" in the task's own container with no
+    network but its proxy, "local" on the service's machine (unsandboxed); null: the service's --runtime."""
     rollout_timeout_s: float = 1800.0
     """Seconds before the service kills a harness (session status timeout, sample masked)."""
     run_deadline_s: float = 7200.0
     """Seconds /run waits for the service's job (queue, harness, grading, reconstruction) before cancelling it."""
     poll_s: float = 2.0
     """Seconds between job status polls."""
+
+    @field_validator("runtime")
+    @classmethod
+    def _known_runtime(cls, runtime: str | None) -> str | None:
+        return check_runtime(runtime)  # an unknown one stops Gym at start, not at every /run
 
 
 class PolarSWERunRequest(BaseRunRequest):
@@ -72,7 +80,13 @@ class PolarSWEAgent(SimpleResponsesAPIAgent):
             poll_s=self.config.poll_s,
         )
         config = self.config
-        job = submission(row, harness=config.harness, model=config.model_name, timeout=config.rollout_timeout_s)
+        job = submission(
+            row,
+            harness=config.harness,
+            model=config.model_name,
+            timeout=config.rollout_timeout_s,
+            runtime=config.runtime,
+        )
         results = await asyncio.to_thread(client.run, job, deadline_s=self.config.run_deadline_s)
         answer = verify_response(row, results, model=self.config.model_name)
         answer["responses_create_params"] = body.responses_create_params  # echoed as Gym parsed it

@@ -2,7 +2,8 @@
 
     from polar_gym import ServiceClient, submission, verify_response
     client = ServiceClient("http://127.0.0.1:8090", token=None)
-    results = client.run(submission(row, harness="mini", model="tiny", timeout=1800.0), deadline_s=3600.0)
+    results = client.run(submission(row, harness="mini", model="tiny", timeout=1800.0, runtime="docker"),
+                         deadline_s=3600.0)
     answer = verify_response(row, results, model="tiny")      # Gym's BaseVerifyResponse, as a dict
 
 Standard library only: it runs in the virtualenv Gym makes for this agent (app.py) and in polar-rl's tests. The
@@ -28,9 +29,11 @@ from typing import Any
 
 __all__ = [
     "MASK_REASONS",
+    "RUNTIMES",
     "ServiceClient",
     "ServiceError",
     "calls_of",
+    "check_runtime",
     "contiguity_errors",
     "submission",
     "verify_response",
@@ -48,6 +51,9 @@ MASK_REASONS = {
     "non_contiguous": "a call's prompt does not start with everything before it",
 }
 FINISHED = ("done", "failed", "cancelled")
+# Where the service runs a session (polar-rl's eval/runtime.py RUNTIMES; a test keeps the two the same): local on
+# the service's machine, unsandboxed; docker in the task's own container, no network but its proxy.
+RUNTIMES = ("local", "docker")
 TRIPLE = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
 
@@ -88,9 +94,19 @@ class ServiceClient:
         return self.request("GET", f"/v1/jobs/{job_id}/results?traces=1")
 
 
-def submission(row: dict[str, Any], *, harness: str, model: str, timeout: float) -> dict[str, Any]:
+def check_runtime(runtime: str | None) -> str | None:
+    """``runtime`` if the service knows it (None: the service's own --runtime); ValueError naming the choices."""
+    if runtime is not None and runtime not in RUNTIMES:
+        raise ValueError(f"runtime: {runtime!r} is not one of {list(RUNTIMES)} (or null: the service's --runtime)")
+    return runtime
+
+
+def submission(
+    row: dict[str, Any], *, harness: str, model: str, timeout: float, runtime: str | None = None
+) -> dict[str, Any]:
     """The service's job body for one Gym dataset row: its ``instance`` (or ``instance_id`` and ``tasks``), one
-    sample; ``responses_create_params.metadata.harness`` and ``.model`` override the agent's config."""
+    sample; ``responses_create_params.metadata.harness`` and ``.model`` override the agent's config. ``runtime``
+    is where the service runs the session (RUNTIMES); None leaves it to the service's --runtime."""
     params = row.get("responses_create_params") or {}
     metadata = params.get("metadata") or {}
     body: dict[str, Any] = {
@@ -100,6 +116,8 @@ def submission(row: dict[str, Any], *, harness: str, model: str, timeout: float)
         "timeout": timeout,
         "metadata": {k: row[k] for k in ("_ng_task_index", "_ng_rollout_index") if k in row},
     }
+    if check_runtime(runtime) is not None:
+        body["runtime"] = runtime
     if "instance" in row:
         body["instance"] = row["instance"]
     elif "instance_id" in row:
