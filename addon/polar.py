@@ -10,7 +10,9 @@ exchange becomes one JSON line under ``polar_dir`` (format v2: ``addon/record_v2
 chunk as it passes. Anthropic, Responses and Google calls go upstream as Chat Completions and come
 back translated, chunk by chunk (``addon/translating.py``). ``GET /polar/health`` is answered here (loaded, options,
 writable, records written), so clients can tell a recording proxy from one whose script failed to
-load; while records cannot be written, calls are refused with 503, never forwarded unrecorded.
+load; while records cannot be written, calls are refused with 503, never forwarded unrecorded. With
+``polar_secret_file`` set, only a call whose key is signed with that secret (``addon/session.py``) names a session;
+any other is answered 403 here, never forwarded, never recorded, and counted (``refused_keys`` in the health answer).
 Imports only the standard library and mitmproxy, so a standalone mitmproxy can load it.
 """
 
@@ -109,6 +111,9 @@ class Polar:
         self.writer: CaptureWriter | None = None
         self._salt: bytes | None = None
         self.refused = 0  # model calls answered 503 because recording did not work
+        self.secret: bytes | None = None  # polar_secret_file's: only keys signed with it name a session
+        self.secret_problem: str | None = None  # polar_secret_file is set but could not be read: every call refused
+        self.refused_keys = 0  # calls answered 403 because their key was not a signed one
         self.backlog_bytes = 256 << 20
         self.max_decoded = 128 << 20  # polar_max_decoded_mb
         self._handing_over: dict[str, Exchange] = {}  # by id: submitted on the next loop step; done() flushes them
@@ -158,6 +163,13 @@ class Polar:
             "Capture format: 2 (a request stored as what is new since the session's previous one, bodies "
             "compressed; addon/record_v2.py) or 1 (every record whole, as JSON; addon/record.py).",
         )
+        loader.add_option(
+            "polar_secret_file",
+            str,
+            "",
+            "File holding the secret session keys are signed with (addon/session.py): every call must then carry "
+            "<session_id>~<tag> as its key, anything else is refused with 403 and counted. Empty: keys unchecked.",
+        )
         loader.add_option("polar_fsync", bool, False, "fsync each batch of records (survives power loss; slower).")
         loader.add_option(
             "polar_rotate_mb", int, 256, "Start a new capture file once the current one passes this size (MiB)."
@@ -179,6 +191,8 @@ class Polar:
 
     def configure(self, updated: set[str]) -> None:
         opts = ctx.options
+        if "polar_secret_file" in updated:
+            self._load_secret(opts.polar_secret_file)
         if "polar_upstream" in updated:
             if opts.polar_upstream not in UPSTREAMS:
                 raise exceptions.OptionsError(
@@ -220,6 +234,20 @@ class Polar:
                 format_version=opts.polar_format,
             )
             self._salt = None
+
+    def _load_secret(self, path: str) -> None:
+        """Read ``polar_secret_file``; an error stops mitmdump at start (and names the file), and until a later
+        value is read every call is refused: a proxy told to check keys never stops checking them."""
+        self.secret, self.secret_problem = None, None
+        if not path:
+            return
+        try:
+            self.secret = session.read_secret(path)
+        except (OSError, ValueError) as e:
+            self.secret_problem = f"polar_secret_file {path!r} cannot be read ({e})"
+            raise exceptions.OptionsError(
+                f"{self.secret_problem}: it must hold the secret session keys are signed with"
+            ) from e
 
     def decode_content(self, data: bytes, encoding: str) -> bytes:
         """A body with its content-encoding undone, bounded by ``polar_max_decoded_mb`` (addon/content.py)."""
@@ -279,12 +307,15 @@ class Polar:
                 "polar_fsync": opts.polar_fsync,
                 "polar_rotate_mb": opts.polar_rotate_mb,
                 "polar_backlog_mb": opts.polar_backlog_mb,
+                "polar_secret_file": opts.polar_secret_file,
             },
             "writable": problem is None and _writable_folder(Path(opts.polar_dir)),
             "problem": problem,
             "records_written": writer.records_written if writer else 0,
             "backlog_bytes": writer.backlog_bytes if writer else 0,
             "refused": self.refused,
+            "signed_keys": self.checks_keys,
+            "refused_keys": self.refused_keys,
             "capture_file": str(writer.path) if writer and writer.path else None,
         }
 
@@ -305,13 +336,15 @@ class Polar:
         """A request hook that raised: answer the model call here and record why; forward nothing else."""
         ex = flow.metadata.get(METADATA_KEY)
         api = ex.api if isinstance(ex, Exchange) else apis.detect_api(flow.request.path, {}, None)
-        if api == apis.OTHER and not isinstance(ex, Exchange):
+        if api == apis.OTHER and not isinstance(ex, Exchange) and not self.checks_keys:
             return  # not a model call and not recorded: forwarded untouched, as any unknown path
         if isinstance(e, RecursionError):
             status, message = 400, "the request body is nested too deeply to handle"
         else:
             status, message = 500, f"polar could not handle this request: {type(e).__name__}"
         flow.response = translating.json_response(status, translating.error_body(api, status, message))
+        if not isinstance(ex, Exchange) and self.checks_keys:
+            return  # answered, not forwarded; no session was accepted, so nothing is recorded in one
         if not isinstance(ex, Exchange):
             path = flow.request.path.partition("?")[0]  # no query string: it may hold a key
             if m := session.PATH_PREFIX.match(path):  # nor a session prefix: it may be a secret
@@ -350,7 +383,10 @@ class Polar:
             for name in session.CREDENTIAL_HEADERS:  # first, so no later failure can forward them
                 if name in headers:
                     del flow.request.headers[name]
-        found = session.resolve(headers, flow.request.path, self.salt)
+        found = self._session(headers, flow.request.path)
+        if found.refused is not None:  # keys are checked and this one is not a signed key: nothing goes anywhere
+            self._refuse_key(flow, found, headers)
+            return
         ours: dict[str, str] = {}
         if to_provider:
             flow.request.headers.pop(session.SESSION_HEADER, None)  # ours, not the provider's
@@ -415,6 +451,36 @@ class Polar:
         for kept in (ex.request, ex.upstream_request):
             if kept is not None and kept.json_bytes is not None:
                 kept.value = None
+
+    @property
+    def checks_keys(self) -> bool:
+        """``polar_secret_file`` is set: only signed keys name a session (refused all while it cannot be read)."""
+        return self.secret is not None or self.secret_problem is not None
+
+    def _session(self, headers: dict[str, str], path: str) -> session.Session:
+        if self.secret is not None:
+            return session.resolve(headers, path, b"", self.secret)  # no key is hashed: the salt is not read
+        if self.secret_problem is not None:
+            path = session.resolve(headers, path, b"").path  # without the prefix and ?key=; nothing verifies
+            return session.Session("", "refused", path, None, refused=self.secret_problem)
+        return session.resolve(headers, path, self.salt)
+
+    def _refuse_key(self, flow: http.HTTPFlow, found: session.Session, headers: dict[str, str]) -> None:
+        """Answer 403 in the API's shape, count it, log the session it claimed (never its key), record nothing."""
+        self.refused_keys += 1
+        log.warning(
+            "polar: refused %s %s claiming session %s: %s (%d refused so far)",
+            flow.request.method,
+            found.path.partition("?")[0],
+            found.claimed or "(none)",
+            found.refused,
+            self.refused_keys,
+        )
+        flow.request.path = found.path  # no session prefix, no ?key=: whatever logs the flow sees no key
+        message = f"polar: this proxy takes only signed session keys; refused: {found.refused}"
+        flow.response = translating.json_response(
+            403, _error_body(apis.detect_api(found.path, headers, None), 403, message)
+        )
 
     def _refuse_too_large(
         self, flow: http.HTTPFlow, found: session.Session, headers: dict[str, str], e: content.TooLarge
@@ -570,6 +636,13 @@ class Polar:
     def _hand_over(self, ex: Exchange) -> None:
         if self._handing_over.pop(ex.id, None) is not None and self.writer is not None:
             self.writer.submit(ex)
+
+
+def _error_body(api: str, status: int, message: str) -> dict[str, Any]:
+    """``translating.error_body``, with a Chat Completions refusal typed for what it is, not as the upstream's."""
+    if api in apis.TRANSLATED:
+        return translating.error_body(api, status, message)
+    return chat.error_body(status, message, "permission_error" if status == 403 else "upstream_error")
 
 
 def _load_salt(path: Path) -> bytes:

@@ -21,7 +21,8 @@ Sessions: a proxy URL with a user name (``HTTPS_PROXY=http://SESSION@127.0.0.1:8
 session of every call that process makes, whatever key it sends, the only way to tell runs apart in
 capture-only mode where the key must be the real one. The user name becomes the ``x-polar-session``
 header (so the record says ``session_source: header``); without one the usual order applies
-(``addon/session.py``: header, then the API key, which rollouts set to the session id).
+(``addon/session.py``: header, then the API key, which rollouts set to the session id). With ``polar_secret_file``
+set, the user name is a signed key (``SESSION~TAG``) like any other, checked by ``Polar``.
 """
 
 from __future__ import annotations
@@ -152,6 +153,12 @@ class Reroute:
                 forward[0],
             )
 
+    @staticmethod
+    def _names_session(user: str) -> bool:
+        """A session id, or with ``polar_secret_file`` set a signed key (checked by Polar, which refuses a bad one)."""
+        signed = "polar_secret_file" in ctx.options and bool(ctx.options.polar_secret_file)
+        return session.is_session_id(user) or (signed and session.is_signed_form(user))
+
     def _named(self, host: str, port: int) -> str | None:
         """The entry naming this destination, ``host:port`` first, or None."""
         host = host.lower()
@@ -184,7 +191,7 @@ class Reroute:
         if key is None:
             flow.metadata[ROUTE_KEY] = PASS
             return
-        if user and session.is_session_id(user) and session.SESSION_HEADER not in flow.request.headers:
+        if user and self._names_session(user) and session.SESSION_HEADER not in flow.request.headers:
             flow.request.headers[session.SESSION_HEADER] = user
         if key in self.captured:
             flow.metadata[ROUTE_KEY] = CAPTURE

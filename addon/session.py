@@ -17,13 +17,26 @@ same way (``key_hash``), and every key-like query parameter is removed from the 
 in any of these places reaches disk. A header or path session id that is not a valid id (longer than 128
 characters, control characters, ``../``, ...) is hashed into a session of its own (``id_hash``): filing it
 under the shared ``anonymous`` would mix unrelated calls into one session (issue 27).
+
+Signed keys (issue 34). Anything that can reach a proxy could otherwise write into any session whose id it can
+guess. With the addon's ``polar_secret_file`` set, the key a harness gets is :func:`signed_key`:
+``<session_id>~<tag>``, ``tag`` the first 32 hex digits of HMAC-SHA256(secret, session_id) (``~`` is outside the
+session-id characters, so the split is unambiguous). It goes wherever a session id goes today (the header, the path
+prefix, any of the key headers or query parameters; the same order decides which one is read), and
+:func:`resolve` given the ``secret`` accepts only a key whose tag :func:`verify_key` checks (a constant-time
+compare). The session of an accepted call is the id part; the tag never reaches disk. Anything else (an unsigned
+id, a wrong tag, a provider key, no key at all) comes back with ``refused`` set and ``claimed`` the id it named
+(never the key), and the addon answers it 403 itself: never forwarded, never recorded, counted. Without a secret
+nothing above changes. :func:`read_secret` reads the file for both the addon and the code that signs keys.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import parse_qsl, urlencode
 
 from addon import apis
@@ -48,12 +61,19 @@ CREDENTIAL_HEADERS = apis.CREDENTIAL_HEADERS  # each wire API's key header
 PRIVATE_HEADERS = frozenset((*CREDENTIAL_HEADERS, "cookie", "proxy-authorization", "api-key"))
 
 
+TAG_SEPARATOR = "~"  # not a session-id character
+TAG_HEX = 32  # hex digits of the HMAC-SHA256 a signed key carries
+SIGNED_FORM = re.compile(SESSION_ID.pattern + TAG_SEPARATOR + f"[0-9a-f]{{{TAG_HEX}}}")  # shape only, unverified
+
+
 @dataclass(frozen=True)
 class Session:
     id: str
-    source: str  # header | path | api_key | key_hash | id_hash | anonymous
+    source: str  # header | path | api_key | key_hash | id_hash | anonymous | refused
     path: str  # the request path with a session prefix and any ?key= removed
     credential_header: str | None  # where the client put its key, so the upstream key goes there too
+    refused: str | None = None  # signed keys required and none valid: why (``id`` is then empty)
+    claimed: str | None = None  # the session id a refused key named, when it named a valid one (never the key)
 
 
 def is_session_id(value: str) -> bool:
@@ -64,8 +84,55 @@ def looks_secret(key: str) -> bool:
     return key.startswith(SECRET_PREFIXES)
 
 
-def resolve(headers: dict[str, str], path: str, salt: bytes) -> Session:
-    """``headers`` with lower-case names; ``path`` with its query string."""
+def session_tag(session_id: str, secret: bytes) -> str:
+    """The tag of ``session_id``'s signed key: the first :data:`TAG_HEX` hex digits of HMAC-SHA256(secret, id)."""
+    return hmac.new(secret, session_id.encode("utf-8"), hashlib.sha256).hexdigest()[:TAG_HEX]
+
+
+def signed_key(session_id: str, secret: bytes) -> str:
+    """The key to give a harness for ``session_id`` when the addon checks keys: ``<session_id>~<tag>``."""
+    if not is_session_id(session_id):
+        raise ValueError(f"not a session id: {session_id!r}")
+    if not secret:
+        raise ValueError("an empty secret signs nothing")
+    return f"{session_id}{TAG_SEPARATOR}{session_tag(session_id, secret)}"
+
+
+def verify_key(key: str, secret: bytes) -> str | None:
+    """The session id of ``key`` if it is that id's signed key under ``secret``, else None (constant-time compare)."""
+    session_id, sep, tag = key.partition(TAG_SEPARATOR)
+    if not sep or not is_session_id(session_id):
+        return None
+    expected = session_tag(session_id, secret).encode("ascii")
+    # Bytes, so a tag with any characters compares (str operands must be ASCII); a length differing is no secret.
+    return session_id if hmac.compare_digest(expected, tag.encode("utf-8", "surrogateescape")) else None
+
+
+def is_signed_form(value: str) -> bool:
+    """``value`` has a signed key's shape (``<session_id>~<32 hex>``); whether the tag is right, :func:`verify_key`
+    says."""
+    return SIGNED_FORM.fullmatch(value) is not None
+
+
+def claimed_id(key: str) -> str | None:
+    """The session id a key names, to log or count (``<id>`` of ``<id>~<anything>``, or the key itself): None for
+    a provider key or anything that is not a valid id, which must not reach a log."""
+    given = key.partition(TAG_SEPARATOR)[0]
+    return given if is_session_id(given) and not looks_secret(given) else None
+
+
+def read_secret(path: str | Path) -> bytes:
+    """The secret in ``path`` (its bytes without surrounding whitespace): the addon's and the signer's reading of
+    one ``polar_secret_file``. Raises OSError, or ValueError for a file that holds nothing."""
+    secret = Path(path).read_bytes().strip()
+    if not secret:
+        raise ValueError(f"the secret file {str(path)!r} is empty")
+    return secret
+
+
+def resolve(headers: dict[str, str], path: str, salt: bytes, secret: bytes | None = None) -> Session:
+    """``headers`` with lower-case names; ``path`` with its query string. With ``secret``, only a signed key
+    (:func:`verify_key`) names a session; anything else is a :class:`Session` with ``refused`` set."""
     path, query_key = _pop_query_key(path)
     path_id = None
     if m := PATH_PREFIX.match(path):
@@ -73,6 +140,10 @@ def resolve(headers: dict[str, str], path: str, salt: bytes) -> Session:
     key, credential_header = _client_key(headers, query_key)
 
     explicit = headers.get(SESSION_HEADER, "").strip()
+    if secret is not None:
+        return _resolve_signed(
+            ((explicit, "header"), (path_id, "path"), (key, "api_key")), path, credential_header, secret
+        )
     for given, source in ((explicit, "header"), (path_id, "path")):
         if not given:
             continue
@@ -86,6 +157,26 @@ def resolve(headers: dict[str, str], path: str, salt: bytes) -> Session:
     if key:
         return Session(key_hash(key, salt), "key_hash", path, credential_header)
     return Session("anonymous", "anonymous", path, credential_header)
+
+
+def _resolve_signed(
+    given: tuple[tuple[str | None, str], ...], path: str, credential_header: str | None, secret: bytes
+) -> Session:
+    """The first key given, in the order of precedence, must be a signed one; the others are not read."""
+    key, source = next(((k, src) for k, src in given if k), (None, "anonymous"))
+    if key is None:
+        return Session("", "refused", path, credential_header, refused="no key")
+    if source == "path":
+        key = key.replace("%7E", TAG_SEPARATOR).replace("%7e", TAG_SEPARATOR)  # a client that quoted the "~"
+    if (session_id := verify_key(key, secret)) is not None:
+        return Session(session_id, source, path, credential_header)
+    claimed = claimed_id(key)
+    if claimed is None:
+        reason = "a provider key" if looks_secret(key) else "not a session key"
+    else:
+        reason = "a wrong tag" if TAG_SEPARATOR in key else "an unsigned session id"
+    where = {"header": SESSION_HEADER, "path": "/s/<id>/ path"}.get(source) or f"{credential_header} key"
+    return Session("", "refused", path, credential_header, refused=f"{reason} in the {where}", claimed=claimed)
 
 
 def key_hash(key: str, salt: bytes) -> str:

@@ -305,8 +305,23 @@ class Forked:
         self._process.kill()
 
 
+def new_secret_file(path: Path) -> Path:
+    """A new secret for the addon's ``polar_secret_file`` at ``path``: 32 random bytes as hex, mode 0600, created
+    exclusively (an existing file raises FileExistsError, never replaced). Sign session keys for it with
+    ``addon.session.signed_key(session_id, addon.session.read_secret(path))``."""
+    path = Path(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)  # whatever the umask
+        f.write(secrets.token_hex(32) + "\n")
+    return path
+
+
 class Mitmdump(Service):
-    """``mitmdump --mode reverse:UPSTREAM -s addon/polar.py`` on loopback; ``addon=False`` runs it bare."""
+    """``mitmdump --mode reverse:UPSTREAM -s addon/polar.py`` on loopback; ``addon=False`` runs it bare.
+
+    ``secret_file`` (:func:`new_secret_file`): the addon then takes only session keys signed with it
+    (``--set polar_secret_file=...``, addon/session.py) and refuses every other call with 403."""
 
     def __init__(
         self,
@@ -316,19 +331,31 @@ class Mitmdump(Service):
         log: Path,
         addon: bool = True,
         startup_timeout: float = 120.0,
+        secret_file: Path | None = None,
         **options: str,
     ) -> None:
         port = free_port()
         mitmdump = Path(sys.executable).parent / "mitmdump"
         cmd = [str(mitmdump), "--mode", f"reverse:{upstream}", "--listen-host", "127.0.0.1", "-p", str(port)]
         cmd += ["--set", "flow_detail=0", "--set", "termlog_verbosity=warn"]
+        if secret_file is not None and not addon:
+            raise ValueError("secret_file needs the addon: a bare mitmdump checks no keys")
+        self.secret_file = secret_file
         if addon:
             cmd += ["-s", str(ADDON), "--set", f"polar_dir={polar_dir}"]
+            if secret_file is not None:
+                cmd += ["--set", f"polar_secret_file={secret_file}"]
             cmd += [arg for name, value in options.items() for arg in ("--set", f"{name}={value}")]
         super().__init__(cmd, port=port, log=log, startup_timeout=startup_timeout)
         self.health: dict[str, Any] | None = None
         if addon:
             self.health = self._wait_until_recording(startup_timeout)
+            if secret_file is not None and not self.health.get("signed_keys"):
+                self.stop()  # an addon that does not know the option would take any key
+                raise ProxyNotRecording(
+                    f"the capture proxy {self.url} does not check signed keys (its health: {self.health})",
+                    answered=True,
+                )
 
     def _wait_until_recording(self, timeout: float) -> dict[str, Any]:
         """Poll the addon's health: mitmdump may answer a moment before its script is loaded (or has failed

@@ -229,3 +229,27 @@ def test_regular_mode_without_hosts_warns(addons, tctx, caplog):
     tctx.configure(addons[0], polar_reroute="", mode=["regular@127.0.0.1:8080"])
     addons[0].running()
     assert "without polar_reroute or polar_capture" in caplog.text
+
+
+def test_issue34_with_signed_keys_the_proxy_user_is_a_signed_key_checked_like_any_other(addons, tctx, tmp_path):
+    from addon.session import read_secret, signed_key
+    from eval.procs import new_secret_file
+
+    secret_file = new_secret_file(tmp_path / "secret")
+    key = signed_key("run-7", read_secret(secret_file))
+    off = anthropic_flow(scheme="http", headers=((b"proxy-authorization", basic(key)),))
+    request(addons, off)  # keys unchecked: a signed key is no session id, as before the option existed
+    assert off.request.headers["x-polar-session"] == "anonymous"
+    tctx.configure(addons[1], polar_secret_file=str(secret_file))
+    good = anthropic_flow(
+        scheme="http", headers=((b"proxy-authorization", basic(key)), (b"x-api-key", SECRETS[2].encode()))
+    )
+    forged = anthropic_flow(scheme="http", headers=((b"proxy-authorization", basic("run-7")),))
+    for flow in (good, forged):
+        request(addons, flow)
+    assert good.response is None and good.request.headers["x-polar-session"] == "run-7"
+    assert forged.response.status_code == 403 and json.loads(forged.response.content)["type"] == "error"
+    finish(addons, good, b'{"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}]}')
+    [record] = read_records(tmp_path / "captures")
+    assert (record["session_id"], record["session_source"]) == ("run-7", "header")
+    assert addons[1].refused_keys == 1
