@@ -16,7 +16,9 @@ applied with ``git apply`` or else ``patch --fuzz``, then ``bash eval.sh`` in it
 the timeout, with a scrubbed environment (no keys, HOME a temporary folder), the grader's virtualenv first on
 PATH and ``PYTHON`` set to its interpreter, which the eval script runs pytest with. Grading is swebench's own
 ``get_eval_report`` with the instance's ``log_parser``. ``--runner docker`` hands each instance to swebench's
-``run_instance`` and needs a Docker daemon and the instances' images.
+``run_instance`` in a fresh container of its image (``python -m eval images build`` makes ours): it needs a Docker
+daemon (``DOCKER_HOST``) and the images. Each grading gets its own swebench run id, so a report of an earlier
+run is never reused, and swebench's ``logs/run_evaluation/<run id>/`` is removed once copied into ``RUN_DIR/logs``.
 
 Reasons (eval/runs.py REWARD_REASONS): ``graded`` (swebench graded it, resolved or not), ``empty_patch``,
 ``patch_failed``, ``tests_timed_out``, ``eval_error`` (a broken instance, an eval script whose output swebench
@@ -26,9 +28,11 @@ left no patch). ``grade`` never raises for one bad session.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import secrets
 import shlex
 import shutil
 import subprocess
@@ -336,6 +340,20 @@ def read_predictions(path: Path) -> list[dict[str, Any]]:
 
 
 def main(args: Args) -> int:
+    with contextlib.ExitStack() as cleanup:  # the docker client, swebench's own log folder
+        return _main(args, cleanup)
+
+
+def _remove_swebench_logs(run_id: str) -> None:
+    from swebench.harness.constants import RUN_EVALUATION_LOG_DIR
+
+    shutil.rmtree(RUN_EVALUATION_LOG_DIR / run_id, ignore_errors=True)
+    for empty in (RUN_EVALUATION_LOG_DIR, RUN_EVALUATION_LOG_DIR.parent):
+        with contextlib.suppress(OSError):
+            empty.rmdir()
+
+
+def _main(args: Args, cleanup: contextlib.ExitStack) -> int:
     try:
         out_dir, tasks, jobs = load_jobs(args)
     except (EvalError, OSError) as e:  # a task file, a run folder, a predictions file; --out not writable
@@ -358,6 +376,13 @@ def main(args: Args) -> int:
             print(no_daemon.format(str(e).splitlines()[0][:200]), file=sys.stderr)
             return 1
 
+        # swebench reuses a report it finds under logs/run_evaluation/<run id>/ in the current folder: a fresh id per
+        # grading, so a rerun (or another run folder of the same name) is graded afresh. Its folder goes at the end;
+        # the logs are copied into RUN_DIR/logs first.
+        run_id = f"{out_dir.name}-{secrets.token_hex(4)}"
+        cleanup.callback(client.close)
+        cleanup.callback(_remove_swebench_logs, run_id)
+
         def run(job: Job, task: dict[str, Any], log_dir: Path) -> Grade:
             return grade_docker(
                 task,
@@ -366,7 +391,7 @@ def main(args: Args) -> int:
                 log_dir=log_dir,
                 session_id=job.session_id,
                 client=client,
-                run_id=out_dir.name,
+                run_id=run_id,
             )
     else:
 
