@@ -65,7 +65,7 @@ from eval.containers import daemon_address, require_daemon
 from eval.demo import report as demo_report
 from eval.errors import EvalError
 from eval.harness.presets import PRESETS, Name
-from eval.procs import Mitmdump, ReferenceServer, stop_tree
+from eval.procs import Mitmdump, ReferenceServer, new_secret_file, stop_tree
 from eval.runs import TASKS
 from eval.runtime import RUNTIMES
 from eval.tasks import FAMILY, TOY_DIR, TOY_REPO_OWNER, load_tasks, save_tasks
@@ -241,6 +241,7 @@ class Args:
 
 
 CONFIG = "config.json"  # a run's model and flags, written before its first phase: what --reuse checks
+SECRET = "proxy.secret"  # the run's key-signing secret (addon polar_secret_file), mode 0600
 REUSED = ("teacher", "base", "base-heldout")  # what --reuse copies: these run folders and their captures
 # The flags the teacher sessions and the base stage depend on: a run reusing them must have the same values.
 # --runtime is not one: it changes where a session runs, not what the harness and the model do in it.
@@ -412,6 +413,9 @@ class Stages:
     def __init__(self, loop: Loop, config: Args, model: Path, runtime: str = "local") -> None:
         self.loop, self.config, self.model = loop, config, model
         self.runtime = runtime  # resolved: a RUNTIMES name, never "auto"
+        # Every stage's proxy takes only keys signed with the run's secret, and each harness gets its session's
+        # (rollout --session-secret): no session can write calls into another's, whatever the runtime.
+        self.secret = loop.run / SECRET
 
     @property
     def runner(self) -> str:
@@ -446,6 +450,8 @@ class Stages:
             proxy,
             "--runtime",
             self.runtime,
+            "--session-secret",
+            self.secret,
         ]
         cmd += ["--max-turns", str(self.config.max_turns)] if self.config.harness == "mini" else []
         capped = capped and self.config.max_tokens is not None
@@ -473,7 +479,12 @@ class Stages:
                 if not tasks:
                     continue
                 proxy = stack.enter_context(
-                    Mitmdump(server.url, run / "captures" / folder, log=run / "logs" / f"mitmdump-{folder}.log")
+                    Mitmdump(
+                        server.url,
+                        run / "captures" / folder,
+                        log=run / "logs" / f"mitmdump-{folder}.log",
+                        secret_file=self.secret,
+                    )
                 )
                 cmds.append(self.rollout_cmd(tasks, samples, run / folder, model, proxy.url, capped=stage != "teacher"))
                 logs.append(None if i == 0 else run / "logs" / f"rollout-{folder}.log")  # one live progress bar
@@ -607,6 +618,7 @@ def demo(config: Args) -> int:
     (run / CONFIG).write_text(
         json.dumps({"model": str(model), "config": _plain(config), "runtime": runtime.record(config.runtime)}, indent=1)
     )
+    new_secret_file(run / SECRET)
     stages = Stages(loop, config, model, runtime.name)
     adapters = run / "adapters"
 

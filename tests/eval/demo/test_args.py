@@ -67,6 +67,7 @@ def test_every_rollout_gets_the_runtime_and_every_grade_its_runner(tmp_path, run
     s = stages(tmp_path, runtime)
     cmd = [str(w) for w in s.rollout_cmd(("t",), 2, tmp_path / "base", "m", "http://127.0.0.1:1", capped=True)]
     assert cmd[cmd.index("--runtime") + 1] == runtime
+    assert cmd[cmd.index("--session-secret") + 1] == str(tmp_path / loop.SECRET)  # each harness gets a signed key
     score = [str(w) for w in s.score_cmd(tmp_path / "base")]
     assert score[2:5] == ["eval", "score", str(tmp_path / "base")] and score[-2:] == ["--runner", runner]
 
