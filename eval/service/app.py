@@ -2,7 +2,7 @@
 
     python -m eval serve-rollouts --proxy http://127.0.0.1:8080 --captures captures --root runs/service \\
         [--port 8090] [--workers 2] [--session-concurrency 1] [--token-file FILE] [--tokenizer DIR]
-        [--runtime local|docker]
+        [--runtime local|docker] [--session-secret FILE]
 
 The proxy (mitmdump with addon/polar.py) is the user's; ``--captures`` is its ``polar_dir`` (checked at start against
 the proxy's ``GET /polar/health``: the service refuses a proxy that would not record, or records elsewhere). Every job
@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from addon.session import read_secret
 from eval.containers import ContainerError, require_daemon
 from eval.harness.presets import PRESETS
 from eval.procs import ProxyNotRecording, check_proxy, stop_tree
@@ -81,6 +82,9 @@ class Args:
     """Base URL of mitmdump with the capture addon, e.g. http://127.0.0.1:8080."""
     captures: Path
     """The proxy's polar_dir: each job copies its sessions' records out of it."""
+    session_secret: Path | None = None
+    """The proxy's polar_secret_file, when it checks keys: each harness then gets its session's signed key
+    (python -m eval rollout --session-secret), so no session can write calls into another's."""
     # ---- the service
     root: Path = Path("runs/service")
     """One folder per job here (job.json, run/, captures.jsonl, trajectories.parquet)."""
@@ -119,6 +123,11 @@ class Args:
             raise ValueError(f"--token-file {self.token_file} is empty")
         if self.runtime not in RUNTIMES:
             raise ValueError(f"--runtime {self.runtime!r}: not one of {', '.join(RUNTIMES)}")
+        if self.session_secret is not None:
+            try:
+                read_secret(self.session_secret)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"--session-secret {self.session_secret}: {e}") from e
 
 
 class JobError(ValueError):
@@ -231,6 +240,7 @@ def rollout_command(args: Args, folder: Path, params: dict[str, Any]) -> list[st
     ]
     cmd += ["--command", params["command"]] if params["command"] is not None else []
     cmd += ["--max-tokens", str(params["max_tokens"])] if params["max_tokens"] is not None else []
+    cmd += ["--session-secret", str(args.session_secret.resolve())] if args.session_secret is not None else []
     return cmd
 
 
@@ -503,6 +513,11 @@ def check_capture_proxy(args: Args) -> None:
     if polar_dir != args.captures.resolve():
         raise ProxyNotRecording(
             f"--captures {args.captures} is not where the proxy records: its polar_dir is {polar_dir}", answered=True
+        )
+    if health.get("signed_keys") and args.session_secret is None:  # every job's rollout would refuse it
+        raise ProxyNotRecording(
+            f"{args.proxy} accepts only signed session keys: give --session-secret, its polar_secret_file",
+            answered=True,
         )
 
 

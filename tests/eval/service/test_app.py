@@ -292,6 +292,13 @@ def test_the_runtime_reaches_the_rollout_and_the_grade_and_a_bad_one_is_refused(
     # A job.json from before jobs had a runtime runs as it did then.
     legacy = {k: v for k, v in params.items() if k != "runtime"}
     assert flag(rollout_command(args, tmp_path / "job", legacy), "--runtime") == "local"
+    assert "--session-secret" not in rollout_command(args, tmp_path / "job", params)
+    # A proxy that checks keys: each harness gets its session's signed key.
+    (tmp_path / "secret").write_text("ab" * 32 + "\n")
+    signed = Args(proxy="http://127.0.0.1:8080", captures=tmp_path, session_secret=tmp_path / "secret")
+    assert flag(rollout_command(signed, tmp_path / "job", params), "--session-secret") == str(tmp_path / "secret")
+    with pytest.raises(ValueError, match=r"--session-secret .*missing"):
+        Args(proxy="http://127.0.0.1:8080", captures=tmp_path, session_secret=tmp_path / "missing")
 
 
 def test_a_docker_job_is_refused_where_no_daemon_answers(tmp_path, monkeypatch):
