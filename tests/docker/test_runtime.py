@@ -7,8 +7,12 @@ workspace is at (``by_commit``), so each task of a run gets its own behaviour.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import shlex
+import socket
 import subprocess
 import sys
 import tempfile
@@ -23,7 +27,7 @@ from eval import rollout
 from eval.containers import docker
 from eval.procs import new_secret_file
 from eval.runs import read_rewards, read_sessions
-from eval.runtime import RUN_LABEL
+from eval.runtime import SESSION_LABEL, Limits
 from eval.tasks import save_tasks
 from reconstruct import schema
 from tests.captures import read_records, scripted_proxy, tokens_of
@@ -32,8 +36,14 @@ from tests.eval.test_rollout import WRONG_EDIT, by_commit
 FINAL = "Done."
 
 
-def containers_left() -> list[str]:
-    return docker("ps", "-aq", "--filter", f"label={RUN_LABEL}").stdout.decode().split()
+def containers_left(*runs: pl.DataFrame) -> list[str]:
+    """Containers of these runs' sessions still on the daemon (other runs may share it)."""
+    return [
+        cid
+        for run in runs
+        for sid in run["session_id"]
+        for cid in docker("ps", "-aq", "--filter", f"label={SESSION_LABEL}={sid}").stdout.decode().split()
+    ]
 
 
 def health(url: str) -> dict[str, Any]:
@@ -70,7 +80,7 @@ def roll(proxy, tasks, harness: str, runtime: str, out: Path, **options: Any) ->
         out=out,
         runtime=runtime,
         session_secret=proxy.secret,
-        concurrency=2,
+        concurrency=options.pop("concurrency", 2),
         timeout=options.pop("timeout", 240),
         **options,
     )
@@ -94,7 +104,7 @@ def test_a_round_in_containers_gives_the_local_runtimes_rewards_and_traces(harne
     save_tasks(family_images, tmp_path / "tasks.jsonl")
     local = roll(teacher, family_images, harness, "local", tmp_path / "local")
     boxed = roll(teacher, family_images, harness, "docker", tmp_path / "docker")
-    assert containers_left() == []
+    assert containers_left(boxed) == []
     for sessions in (local, boxed):
         assert sessions["status"].to_list() == ["ok"] * 3, sessions["error"].to_list()
     assert boxed["patch"].to_list() == local["patch"].to_list()
@@ -149,3 +159,113 @@ LOCAL_WORKSPACE = re.compile(re.escape(tempfile.gettempdir()) + r"/polar-rollout
 def _messages(records: list[dict[str, Any]]) -> str:
     """The requests' messages, tool call ids (the server's random ones) left out."""
     return re.sub(r'"call_[0-9a-f]+"', '"call"', json.dumps([r["request"]["messages"] for r in records]))
+
+
+def hostile_commands(py: str, host_dir: Path, trap_port: int) -> dict[str, str]:
+    """Task 0: escape attempts that each print what happened; task 1 a fork bomb; task 2 sleeps past the timeout."""
+    calls = f"""
+import json, socket, sys, urllib.request as u
+url, key = sys.argv[1:]
+own = key.rpartition("~")[0]
+victim = own[:-1] + str(1 - int(own[-1]))
+for name, k in (("unsigned", victim), ("forged", victim + "~" + "0" * 32)):
+    try: print(name, "key:", u.urlopen(u.Request(url + "/models", headers={{"Authorization": "Bearer " + k}})).status)
+    except u.HTTPError as e: print(name, "key:", e.code)
+for a in (("127.0.0.1", {trap_port}), ("10.255.255.1", 80)):
+    try: socket.create_connection(a, timeout=5); print("reached", *a)
+    except OSError as e: print("cannot reach", *a, type(e).__name__)
+"""
+    argv = 'tr "\\0" "\\n" < /proc/$PPID/cmdline'  # mini's own argv: its base URL and key
+    escape = f"""
+echo escaped > /etc/polar-escaped && echo "wrote /etc/polar-escaped"
+mkdir -p {host_dir} && echo escaped > {host_dir}/escaped && echo "wrote {host_dir}/escaped"
+cat {host_dir}/host-secret.txt 2>/dev/null || echo "no host secret file"
+echo "host secret in env: $(env | grep -c POLAR_HOST_SECRET)"
+echo "homes: $(ls "$(dirname "$(dirname "$HOME")")" | wc -l)"
+{py} -c 'bytearray(1536 * 2**20)'; echo "memory hog: exit $?"
+url="$({argv} | grep -A1 -x -- --base-url | tail -1)"
+key="$({argv} | grep -A1 -x -- --api-key | tail -1)"
+{py} -c {shlex.quote(calls)} "$url" "$key"
+"""
+    return {"0": escape, "1": ":(){ :|:& };:", "2": "sleep 600"}
+
+
+def test_hostile_sessions_are_contained_and_recorded_as_what_they_were(
+    family_images, tiny_model_dir, tmp_path, request
+):
+    tasks = {str(i): task for i, task in enumerate(family_images)}
+    host_dir = tmp_path / "host-side"
+    host_dir.mkdir()
+    (host_dir / "host-secret.txt").write_text("the host's secret")
+    trap = socket.create_server(("127.0.0.1", 0))  # a host port no session may reach
+    request.addfinalizer(trap.close)
+    trap.settimeout(0.1)
+    commands = hostile_commands(sys.executable, host_dir, trap.getsockname()[1])
+    script = [
+        {
+            "content": None,
+            "tool_calls": [{"name": "bash", "arguments": {"command": by_commit(commands, tasks, "true")}}],
+        },
+        {"content": FINAL, "tool_calls": []},
+    ]
+    save_tasks(family_images, tmp_path / "tasks.jsonl")
+    secret = new_secret_file(tmp_path / "secret")
+    (tmp_path / "proxy").mkdir()
+    os.environ["POLAR_HOST_SECRET"] = "the host's environment"
+    try:
+        with scripted_proxy(tiny_model_dir, script, tmp_path / "proxy", secret_file=secret) as proxy:
+            proxy.secret = secret
+            sessions = roll(
+                proxy, family_images, "mini", "docker", tmp_path / "run", samples=2, timeout=60, concurrency=3,
+                limits=Limits(cpus=1, memory="1g", pids=256),
+            )  # fmt: skip
+            refused = health(proxy.url)["refused_keys"]
+            records = {sid: read_records(proxy.captures, session=sid) for sid in sessions["session_id"]}
+    finally:
+        del os.environ["POLAR_HOST_SECRET"]
+    with contextlib.suppress(TimeoutError):
+        trap.accept()
+        pytest.fail("a session reached a host port")
+    trap_port = trap.getsockname()[1]
+
+    # The host is untouched and no container is left.
+    assert not Path("/etc/polar-escaped").exists()
+    assert sorted(p.name for p in host_dir.iterdir()) == ["host-secret.txt"]
+    assert containers_left(sessions) == []
+
+    kinds = {task["instance_id"]: i for i, task in tasks.items()}
+    for (tid,), rows in sessions.group_by("task_id"):
+        kind = kinds[str(tid)]
+        if kind == "0":  # wrote nothing in /testbed: no edit; every attempt's outcome is what the model read back
+            assert rows["status"].to_list() == ["no_edit"] * 2
+            for sid in rows["session_id"]:
+                assert len(records[sid]) == 2  # its own two calls: the forged ones were filed nowhere
+                [result] = [m["content"] for m in records[sid][1]["request"]["messages"] if m["role"] == "tool"]
+                for seen in (
+                    "wrote /etc/polar-escaped", f"wrote {host_dir}/escaped", "no host secret file",
+                    "host secret in env: 0", "homes: 1", "memory hog: exit 137", "unsigned key: 403",
+                    "forged key: 403", f"cannot reach 127.0.0.1 {trap_port}", "cannot reach 10.255.255.1 80",
+                ):  # fmt: skip
+                    assert seen in result, result
+        elif kind == "1":
+            assert rows["status"].to_list() == ["timeout"] * 2
+            assert all("forks refused at --pids-limit 256" in e for e in rows["error"]), rows["error"].to_list()
+        else:
+            assert rows["status"].to_list() == ["timeout"] * 2
+            assert all(e.startswith("killed after 60 s") for e in rows["error"])
+    assert refused == 4  # two forged calls from each of task 0's sessions, refused and counted
+
+
+def test_a_session_whose_image_is_missing_fails_naming_it_and_never_runs_on_the_host(teacher, family_images, tmp_path):
+    theirs = {**family_images[0], "instance_id": "astropy__astropy-1", "repo": "astropy/astropy"}
+    theirs["image"] = "registry.invalid/nope:1"  # not ours: pulled, which fails here
+    ours = {**family_images[1], "image": "polar-gen/not-built:000000000000"}
+    save_tasks([theirs, ours], tmp_path / "tasks.jsonl")
+    sessions = roll(teacher, [theirs, ours], "mini", "docker", tmp_path / "run")
+    assert sessions["status"].to_list() == ["setup_failed"] * 2
+    missing, unbuilt = sessions["error"].to_list()
+    assert "registry.invalid/nope:1" in missing and "docker pull registry.invalid/nope:1" in missing
+    assert "polar-gen/not-built:000000000000" in unbuilt and "python -m eval images build" in unbuilt
+    assert sessions["patch"].to_list() == ["", ""]
+    assert all(not read_records(teacher.captures, session=sid) for sid in sessions["session_id"])
+    assert containers_left(sessions) == []
