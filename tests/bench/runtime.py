@@ -103,9 +103,9 @@ def main(config: Config) -> int:
             cells += [f"{1000 * med[runtime]:.0f}", f"{1000 * (percentile(xs, 90) or 0):.0f}"]
         rows.append([*cells, f"{med['docker'] / med['local']:.1f}"])
     head = ["phase", "local median ms", "local p90 ms", "docker median ms", "docker p90 ms", "docker / local"]
+    setting = "docker: --network none, the relay, default limits (eval/runtime.py)"
     notes = [
-        f"{config.sessions} sessions per runtime on {len(tasks)} tasks of {config.tasks}, one after another; "
-        "docker: --network none, relay, default limits (eval/runtime.py)"
+        f"{config.sessions} sessions per runtime on {len(tasks)} tasks of {config.tasks}, one after another; {setting}"
     ]
     write_results(console, config.out, config, [(head, rows)], notes, {"seconds": samples})
     return 0
