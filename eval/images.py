@@ -299,20 +299,20 @@ def _current(layer: Layer) -> bool:
 
 def _streamed(argv: Sequence[str], on_line: Callable[[str], None], stdin: Any = None) -> tuple[int, list[str]]:
     """Run ``argv``, each output line (stdout and stderr) to ``on_line``; (exit code, the last 40 lines)."""
-    proc = subprocess.Popen(
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+    with subprocess.Popen(
         argv,
         stdin=subprocess.DEVNULL if stdin is None else stdin,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         errors="replace",
-    )
-    tail: collections.deque[str] = collections.deque(maxlen=40)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        tail.append(line.rstrip())
-        on_line(line.rstrip())
-    return proc.wait(), list(tail)
+    ) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            tail.append(line.rstrip())
+            on_line(line.rstrip())
+    return proc.returncode, list(tail)
 
 
 def _docker_cli() -> str:
@@ -322,9 +322,12 @@ def _docker_cli() -> str:
     return cli
 
 
-def _docker_build(layer: Layer, context: Path, on_line: Callable[[str], None] = lambda _: None) -> None:
+def _docker_build(
+    layer: Layer, context: Path, on_line: Callable[[str], None] = lambda _: None, *, no_cache: bool = False
+) -> None:
     (context / "Dockerfile").write_text(layer.dockerfile)
-    argv = [_docker_cli(), "build", "--network", "host", "--force-rm", *_proxy_args(), "-t", layer.tag, str(context)]
+    argv = [_docker_cli(), "build", "--network", "host", "--force-rm", *_proxy_args(), "-t", layer.tag]
+    argv += ["--no-cache", str(context)] if no_cache else [str(context)]
     code, tail = _streamed(argv, on_line)
     if code != 0:
         raise ContainerError(f"docker build of {layer.tag} failed ({code}):\n" + "\n".join(tail[-25:]))
@@ -382,20 +385,20 @@ def build_debian_base(layer: Layer, mirror: str | None, on_line: Callable[[str],
         _remove_rootfs(rootfs)
 
 
-def build_env(layer: Layer, on_line: Callable[[str], None]) -> None:
+def build_env(layer: Layer, on_line: Callable[[str], None], *, no_cache: bool = False) -> None:
     with tempfile.TemporaryDirectory(prefix="polar-env-") as tmp:
         context = Path(tmp)
         (context / "ca-certificates").mkdir()
         for crt in sorted(CA_DIR.glob("*.crt")) if CA_DIR.is_dir() else []:  # written at boot: fresh each build
             shutil.copyfile(crt, context / "ca-certificates" / crt.name)
         (context / "pip.conf").write_text(build_pip_config())
-        _docker_build(layer, context, on_line)
+        _docker_build(layer, context, on_line, no_cache=no_cache)
 
 
-def build_task(layer: Layer, task: dict[str, Any]) -> None:
+def build_task(layer: Layer, task: dict[str, Any], *, no_cache: bool = False) -> None:
     with tempfile.TemporaryDirectory(prefix="polar-task-") as tmp:
         checkout(task, Path(tmp) / "testbed")
-        _docker_build(layer, Path(tmp))
+        _docker_build(layer, Path(tmp), no_cache=no_cache)
 
 
 def _pull(image: str) -> str | None:
@@ -469,7 +472,7 @@ def build_images(
                 base_layer = named_base(base)
                 done.append(Built("base", base, "present", 0.0, base_layer.about))
             env = env_layer(base_layer)
-            done.append(_step(progress, "env", env, lambda log: build_env(env, log), rebuild))
+            done.append(_step(progress, "env", env, lambda log: build_env(env, log, no_cache=rebuild), rebuild))
             layers = [(task_layer(env, task), task) for task in ours.values()]
             done += _build_tasks(progress, layers, jobs, rebuild)
         for image in foreign:
@@ -506,7 +509,7 @@ def _build_tasks(
             if not rebuild and _current(layer):
                 return Built("task", layer.tag, "reused", 0.0, layer.about)
             start = time.monotonic()
-            build_task(layer, task)
+            build_task(layer, task, no_cache=rebuild)
             return Built("task", layer.tag, "built", time.monotonic() - start, layer.about)
         finally:
             with lock:
@@ -718,7 +721,7 @@ class Build:
     jobs: int = 4
     """task images built at once"""
     rebuild: bool = False
-    """build every layer again, even one whose key an image already carries"""
+    """build every layer again, docker's build cache unused, even one whose key an image already carries"""
 
 
 @dataclasses.dataclass
