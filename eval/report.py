@@ -1,6 +1,6 @@
 """pass@1 and pass@k per task and overall, by harness, from graded runs; tables and a bar chart.
 
-    python -m eval report RUN_DIR [RUN_DIR ...] [--k 1 5 10] [--plot PATH]
+    python -m eval report RUN_DIR [RUN_DIR ...] [--k 1 5 10] [--plot PATH] [--against OTHER_RUN_DIR]
 
 Reads RUN_DIR/rewards.parquet of every run (``python -m eval score RUN_DIR``); runs of one harness pool their
 samples per task. pass@k is the unbiased estimator of Chen et al. 2021 (https://arxiv.org/abs/2107.03374, §2.1):
@@ -8,6 +8,14 @@ with n graded samples of a task of which c resolved, pass@k = 1 - C(n-c, k) / C(
 the tasks that have at least k samples (a task with fewer has no pass@k). Prints a table per harness and task
 and an overall one; writes the numbers to ``report.json`` and a grouped bar chart (overall pass@k by harness)
 to ``report.svg``, both in the first RUN_DIR. The chart is plain SVG: matplotlib is not a dependency.
+
+``--against OTHER_RUN_DIR`` compares the runs with another run folder measured on the same tasks (the stage before,
+another checkpoint), task by task (eval/stats.py ``paired``): each task's pass rate on each side (every harness's
+samples pooled), joined on task_id; the mean per-task difference (RUN_DIRS - OTHER) with a 95 % interval by
+bootstrap over tasks (seed 0) and the clustered standard error; the exact sign-flip permutation test over tasks
+(McNemar's exact test at one sample a task; Monte Carlo with a fixed seed only where the exact support is too
+large); and Fisher's exact test on the pooled counts beside it. Tasks on one side only are named and left out.
+The numbers go into report.json as ``paired``.
 
 An earlier report is never replaced (issue 37): when ``report.json`` or the chart (``--plot`` too) already holds
 other bytes, both get the first number that is free for both (``report-1.json``, ``report-1.svg``), and the paths
@@ -29,9 +37,10 @@ from rich.console import Console
 from rich.table import Table
 
 from eval.runs import REWARDS, SESSIONS, read_rewards, read_sessions
+from eval.stats import Counts, paired
 from reconstruct.files import write_new
 
-__all__ = ["Args", "main", "pass_at_k", "pass_table", "svg_chart"]
+__all__ = ["Args", "main", "pass_at_k", "pass_table", "svg_chart", "task_counts"]
 
 console = Console()
 NO_HARNESS = "predictions"  # rewards graded from a predictions file carry no harness
@@ -47,6 +56,9 @@ class Args:
     """The k of pass@k; a k above every task's sample count is left out."""
     plot: Path | None = None
     """Bar chart to write (SVG); default: report.svg in the first run folder."""
+    against: Path | None = None
+    """A run folder measured on the same tasks to compare with, task by task: the paired difference (the runs
+    minus this one) with its 95 % interval, the exact sign-flip test over tasks, and Fisher's test beside it."""
 
     def __post_init__(self) -> None:
         if not self.run_dirs:
@@ -124,6 +136,41 @@ def svg_chart(summary: pl.DataFrame, ks: tuple[int, ...], title: str) -> str:
     return "\n".join([*parts, "</svg>"]) + "\n"
 
 
+def task_counts(rewards: pl.DataFrame) -> dict[str, Counts]:
+    """Task id -> (resolved, graded samples), every harness's samples pooled."""
+    per_task = rewards.group_by("task_id").agg(n=pl.len(), c=pl.col("resolved").fill_null(False).sum())
+    return {r["task_id"]: (int(r["c"]), int(r["n"])) for r in per_task.iter_rows(named=True)}
+
+
+def paired_report(rewards: pl.DataFrame, against: Path, runs: str) -> dict[str, object]:
+    """Print the task-by-task comparison of ``rewards`` with the run folder ``against``; return its numbers."""
+    after, before = task_counts(rewards), task_counts(read_rewards(against))
+    result = paired(before, after)
+    table = Table(title=f"paired, per task: {runs} against {against}")
+    for column in ("task", f"{against}", f"{runs}", "difference"):
+        table.add_column(column)
+    per_task = []
+    for task in sorted(before.keys() & after.keys()):
+        (cb, nb), (ca, na) = before[task], after[task]
+        per_task.append({"task_id": task, "before": [cb, nb], "after": [ca, na], "difference": ca / na - cb / nb})
+        table.add_row(task, f"{cb} / {nb}", f"{ca} / {na}", f"{ca / na - cb / nb:+.3f}")
+    console.print(table)
+    lo, hi = result.ci95
+    console.print(
+        f"paired over {result.tasks} tasks ({result.differing} differ): mean pass rate {result.before:.3f} -> "
+        f"{result.after:.3f}, difference {result.delta:+.3f}, 95 % CI [{lo:+.3f}, {hi:+.3f}] (bootstrap over tasks), "
+        f"clustered SE {result.se:.3f}; sign-flip test p = {result.p_value:.3g} ({result.method}); Fisher's exact "
+        f"test on the pooled counts {result.pooled_before[0]}/{result.pooled_before[1]} -> "
+        f"{result.pooled_after[0]}/{result.pooled_after[1]}: p = {result.fisher_p:.3g}",
+        soft_wrap=True,
+        highlight=False,
+    )
+    for side, missing in ((str(against), result.only_before), (runs, result.only_after)):
+        if missing:
+            console.print(f"[yellow]{len(missing)} task(s) only in {side}, left out: {', '.join(missing)}[/]")
+    return {"against": str(against), **result.as_dict(), "per_task": per_task}
+
+
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
@@ -157,7 +204,9 @@ def main(args: Args) -> int:
 
     out_dir = args.run_dirs[0]
     runs = [str(run) for run in args.run_dirs]
-    numbers = {"runs": runs, "overall": summary.to_dicts(), "per_task": per_task.to_dicts()}
+    numbers: dict[str, object] = {"runs": runs, "overall": summary.to_dicts(), "per_task": per_task.to_dicts()}
+    if args.against is not None:
+        numbers["paired"] = paired_report(rewards, args.against, ", ".join(runs))
     numbers_path, plot = out_dir / "report.json", args.plot or out_dir / "report.svg"
     chart = svg_chart(summary, ks, f"pass@k by harness ({summary['samples'].sum()} graded samples)")
     written = write_new({numbers_path: (json.dumps(numbers, indent=1) + "\n").encode(), plot: chart.encode()})

@@ -8,11 +8,13 @@ of each stage's gain, training metrics, report.html, a trace's tokens.
     numbers = demo_report.summary(run)             # what summary.json holds, recomputed from the files
     html = demo_report.trace_html(row, tokenizer)  # a trace's response tokens coloured by loss mask, drift marked
 
-Statistics: a stage's pass@1 is resolved / graded sessions (one sample each, temperature 1) with a 95 % Wilson
+Statistics (eval/stats.py): a stage's pass@1 is resolved / graded sessions (temperature 1) with a 95 % Wilson
 score interval, which stays inside [0, 1] and is honest at 0 or n successes where the normal one is not. Two
-stages are compared with Fisher's exact test (two-sided), exact at the small counts a CPU demo has; a gain is
-called "improved" only at p < 0.05. Samples are independent rollouts, so the test is the right one for the
-question "did the policy's success rate change?", not for "is the model good".
+stages measured on the same tasks are compared task by task (paired): the mean per-task difference, its 95 %
+interval by bootstrap over tasks, and the exact sign-flip permutation test over tasks (McNemar's exact test at
+one sample a task); a gain is called "improved" only at that test's p < 0.05. Fisher's exact test on the pooled
+counts (and Newcombe's interval) stays beside it: it treats the stages as independent samples, so it ignores
+that a task easy for one stage tends to be easy for the other, and has less power.
 
 eval/demo/loop.py writes summary.json and report.html with these; the notebooks in notebooks/ call them and read the
 run's files, nothing else. Charts are plain SVG, like eval/report.py's, so the demo needs no plotting library.
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from html import escape
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 from eval.runs import read_rewards, read_sessions
+from eval.stats import fisher_exact, newcombe, paired, wilson
 from reconstruct import Stats, discover, file_stats, schema, stats_path
 
 __all__ = [
@@ -88,62 +90,42 @@ def trajectories_path(run: Path, stage: str) -> Path:
 
 def stages_of(run: Path) -> list[str]:
     """The stages a run folder holds, in loop order (teacher first when present)."""
-    names = [p.parent.name for p in run.glob("*/trajectories.parquet") if not p.parent.name.endswith("-heldout")]
-    grpo = sorted((n for n in names if n.startswith("grpo")), key=lambda n: int(n[4:]))
+    names = [p.parent.name for p in run.glob("*/trajectories.parquet")]  # not grpo<k>-draw<b>: dynamic sampling's
+    grpo = sorted((n for n in names if n.startswith("grpo") and n[4:].isdigit()), key=lambda n: int(n[4:]))
     return [n for n in ("teacher", "base", "sft") if n in names] + grpo
 
 
 # ---- statistics
 
 
-def wilson(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """95 % Wilson score interval of a binomial proportion; (0, 1) when n is 0."""
-    if n == 0:
-        return 0.0, 1.0
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
-def fisher_exact(a: int, n_a: int, b: int, n_b: int) -> float:
-    """Two-sided p-value of Fisher's exact test that a / n_a and b / n_b come from the same success rate: the
-    probability, with the margins fixed, of a table at most as likely as the one seen (hypergeometric)."""
-    successes, n = a + b, n_a + n_b
-
-    def prob(x: int) -> float:  # P(x of the successes fall in the first sample)
-        return math.comb(successes, x) * math.comb(n - successes, n_a - x) / math.comb(n, n_a)
-
-    seen = prob(a)
-    support = range(max(0, successes - n_b), min(successes, n_a) + 1)
-    return min(1.0, sum(p for p in map(prob, support) if p <= seen * (1 + 1e-9)))
-
-
-def newcombe(a: int, n_a: int, b: int, n_b: int) -> tuple[float, float]:
-    """95 % interval of the difference a / n_a - b / n_b: Newcombe's hybrid score interval, built from the two
-    Wilson intervals, which keeps its coverage at the 0-of-n counts a demo's base stage has."""
-    p_a, p_b = (a / n_a if n_a else 0.0), (b / n_b if n_b else 0.0)
-    (lo_a, hi_a), (lo_b, hi_b) = wilson(a, n_a), wilson(b, n_b)
-    delta = p_a - p_b
-    return delta - math.hypot(p_a - lo_a, hi_b - p_b), delta + math.hypot(hi_a - p_a, p_b - lo_b)
-
-
 def compare(before: dict[str, Any], after: dict[str, Any], what: str, split: str = "trained") -> dict[str, Any]:
-    """The verdict on a change of pass rate between two stages' counts on one split (trained or held-out)."""
-    p = fisher_exact(after["resolved"], after["graded"], before["resolved"], before["graded"])
+    """The verdict on a change of pass rate between two stages' counts on one split (trained or held-out). With
+    both stages' per-task counts (``per_task_counts``) the verdict is the paired test over tasks (eval/stats.py:
+    sign-flip permutation, interval by bootstrap over tasks), with Fisher's exact test on the pooled counts beside
+    it; without them (hand-made numbers), Fisher's alone."""
+    fisher = fisher_exact(after["resolved"], after["graded"], before["resolved"], before["graded"])
+    unpaired = newcombe(after["resolved"], after["graded"], before["resolved"], before["graded"])
     delta = (after["pass_rate"] or 0.0) - (before["pass_rate"] or 0.0)
+    out: dict[str, Any] = {"what": what, "split": split, "from": before["stage"], "to": after["stage"]}
+    counts_b, counts_a = before.get("per_task_counts"), after.get("per_task_counts")
+    if counts_b is not None and counts_a is not None:
+        result = paired({t: (c[0], c[1]) for t, c in counts_b.items()}, {t: (c[0], c[1]) for t, c in counts_a.items()})
+        p, test, interval = result.p_value, "paired", result.ci95
+        out["paired"] = result.as_dict()
+        shown = f"paired p = {p:.2g}, Fisher p = {fisher:.2g}"
+    else:
+        p, test, interval = fisher, "fisher", unpaired
+        shown = f"p = {p:.2g}"
     verdict = ("improved" if delta > 0 else "worse") if p < ALPHA else "no significant change"
     return {
-        "what": what,
-        "split": split,
-        "from": before["stage"],
-        "to": after["stage"],
+        **out,
         "delta": round(delta, 4),
-        "ci95_delta": [
-            round(x, 4) for x in newcombe(after["resolved"], after["graded"], before["resolved"], before["graded"])
-        ],
+        "ci95_delta": [round(x, 4) for x in interval],
+        "test": test,
         "p_value": p,
-        "verdict": f"{verdict} (p = {p:.2g})",
+        "fisher_p": fisher,
+        "ci95_newcombe": [round(x, 4) for x in unpaired],
+        "verdict": f"{verdict} ({shown})",
     }
 
 
@@ -166,6 +148,7 @@ def _graded(run_dir: Path, stage: str) -> dict[str, Any]:
         "pass_rate": resolved / graded if graded else None,
         "ci95": [round(x, 4) for x in wilson(resolved, graded)],
         "per_task": {r["task_id"]: f"{r['resolved']} / {r['graded']}" for r in per_task.iter_rows(named=True)},
+        "per_task_counts": {r["task_id"]: [r["resolved"], r["graded"]] for r in per_task.iter_rows(named=True)},
         "reward_reasons": dict(sorted(rewards_df["reason"].value_counts().iter_rows())),
     }
 
@@ -227,6 +210,9 @@ def train_numbers(run: Path, adapter: str) -> dict[str, Any]:
     if "data/groups" in data:  # GRPO
         groups = int(data["data/groups"])
         out |= {"groups": groups, "groups_with_signal": round(groups * (1 - data["reward/zero_std_frac"]))}
+    drawn = run / f"{adapter}-sampling.json"  # dynamic sampling (eval/demo/sampling.py, demo --groups)
+    if drawn.is_file():
+        out["sampling"] = json.loads(drawn.read_text())
     keys = ("step", *CHARTED, "loss/nll")
     out["per_step"] = steps.select([c for c in keys if c in steps.columns]).to_dicts()
     return out
@@ -271,7 +257,10 @@ def _rate(numbers: dict[str, Any] | None) -> str:
 def _delta(test: dict[str, Any]) -> str:
     lo, hi = test.get("ci95_delta", (None, None))
     interval = "" if lo is None else f" [{lo:+.0%}, {hi:+.0%}]"
-    return f"{test['from']} -> {test['to']}: {test['delta']:+.0%}{interval}, {test['verdict']}"
+    pairs = (
+        f", {test['paired']['tasks']} tasks paired ({test['paired']['differing']} differ)" if "paired" in test else ""
+    )
+    return f"{test['from']} -> {test['to']}: {test['delta']:+.0%}{interval}{pairs}, {test['verdict']}"
 
 
 def runtime_sentence(runtime: dict[str, Any]) -> str:
@@ -297,6 +286,9 @@ def note(numbers: dict[str, Any]) -> str:
         parts.append(
             f"GRPO's own gain ({len(grpo)} round(s), {t['from']} -> {t['to']}, {t['delta']:+.0%}): {t['verdict']}."
         )
+        for adapter, tr in numbers["train"].items():
+            if "sampling" in tr:
+                parts.append(f"Dynamic sampling for {adapter}: {sampling_sentence(tr['sampling'])}.")
         no_signal = [a for a, tr in numbers["train"].items() if a.startswith("grpo") and tr["steps"] == 0]
         if no_signal:
             parts.append(f"{', '.join(no_signal)}: no group had reward variance, so that round trained nothing.")
@@ -374,7 +366,20 @@ def verdict_rows(numbers: dict[str, Any]) -> list[list[str]]:
         else:
             result = f", last loss {last['loss/nll']:.4f}" if last else ""
         rows.append([f"train {adapter}", f"{tr['steps']} step(s){result}"])
+        if "sampling" in tr:
+            rows.append([f"dynamic sampling for {adapter}", sampling_sentence(tr["sampling"])])
     return rows
+
+
+def sampling_sentence(record: dict[str, Any]) -> str:
+    """A round's dynamic sampling (RUN/grpo<k>-sampling.json) in words."""
+    rate = record["pool_pass_rate"]
+    return (
+        f"{record['informative']} informative groups in {record['draws']} tasks drawn ({record['sessions']} "
+        f"sessions, {len(record['batches'])} batch(es), at most {record['max_draws']} of a pool of {record['pool']}), "
+        f"pool pass rate {'-' if rate is None else f'{rate:.0%}'}; trained on {len(record['kept'])} of "
+        f"{record['groups_asked']} groups asked" + ("" if record["reached"] else " (the draw limit came first)")
+    )
 
 
 # ---- tables for the notebooks

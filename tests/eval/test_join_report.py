@@ -238,3 +238,32 @@ def test_report_onto_a_folder_with_another_report_keeps_it_and_writes_a_numbered
     assert ElementTree.parse(run / "report-1.svg").getroot().tag == f"{SVG}svg"
     out = capsys.readouterr().out
     assert f"numbers: {run / 'report-1.json'}" in out and f"kept the earlier report ({run / 'report.json'}" in out
+
+
+def test_report_against_another_run_pairs_the_tasks_and_tests_the_difference(tmp_path, capsys):
+    def graded(folder: str, outcomes: dict[str, list[bool]]) -> None:
+        rows = [(f"{folder}-{t}-{i}", t, i, float(ok)) for t, oks in outcomes.items() for i, ok in enumerate(oks)]
+        run_tables(tmp_path / folder, [(s, t, i) for s, t, i, _ in rows], rows)
+
+    # 12 tasks that both runs measured, 10 of them better after, 2 alike; one task in each run only.
+    before = {f"t{i:02d}": [False, False] for i in range(10)} | {"t10": [True, True], "t11": [False, False]}
+    after = {f"t{i:02d}": [True, False] for i in range(10)} | {"t10": [True, True], "t11": [False, False]}
+    graded("sft", {**before, "gone": [True]})
+    graded("grpo", {**after, "new": [False]})
+    assert report.main(report.Args((tmp_path / "grpo",), against=tmp_path / "sft")) == 0
+
+    paired = json.loads((tmp_path / "grpo" / "report.json").read_text())["paired"]
+    assert paired["against"] == str(tmp_path / "sft") and paired["tasks"] == 12 and paired["differing"] == 10
+    assert (paired["only_before"], paired["only_after"]) == (["gone"], ["new"])
+    assert paired["delta"] == pytest.approx(10 * 0.5 / 12, abs=1e-4)
+    assert paired["p_value"] == pytest.approx(2 / 2**10) and paired["method"] == "exact"  # all 10 signs alike
+    assert paired["fisher_p"] == pytest.approx(report_fisher(12, 24, 2, 24)) and paired["fisher_p"] > paired["p_value"]
+    assert paired["ci95"][0] > 0 and {r["task_id"]: r["difference"] for r in paired["per_task"]}["t00"] == 0.5
+    out = capsys.readouterr().out
+    assert "paired, per task" in out and "sign-flip test p = 0.00195 (exact)" in out and "only in" in out
+
+
+def report_fisher(a: int, n_a: int, b: int, n_b: int) -> float:
+    from eval.stats import fisher_exact
+
+    return fisher_exact(a, n_a, b, n_b)

@@ -47,3 +47,35 @@ def test_held_out_gains_are_tested_apart_from_the_trained_tasks():
     assert test["split"] == "held-out" and test["p_value"] < 0.05 and test["ci95_delta"][0] > 0
     rows = report.verdict_rows({"tests": [test], "train": {}})
     assert rows[0][0].startswith("held-out tasks: SFT") and "[+" in rows[0][1]
+
+
+def test_stages_with_per_task_counts_are_compared_task_by_task_with_fisher_beside():
+    tasks = [f"t{i}" for i in range(20)]
+    before = {t: [0, 1] for t in tasks}
+    after = {t: [1 if i < 8 else 0, 1] for i, t in enumerate(tasks)}  # 8 tasks gained, none lost
+
+    def stage(name: str, counts: dict[str, list[int]]) -> dict:
+        resolved = sum(c for c, _ in counts.values())
+        return {"stage": name, "graded": 20, "resolved": resolved, "pass_rate": resolved / 20,
+                "per_task_counts": counts}  # fmt: skip
+
+    test = report.compare(stage("sft", before), stage("grpo3", after), "GRPO's own gain", "held-out")
+    assert test["test"] == "paired" and test["p_value"] == 2 / 2**8  # McNemar's exact p: 8 discordant, all gains
+    assert test["fisher_p"] == report.fisher_exact(8, 20, 0, 20) and test["paired"]["tasks"] == 20
+    assert test["verdict"] == "improved (paired p = 0.0078, Fisher p = 0.0033)"
+    assert test["ci95_delta"][0] > 0 and test["delta"] == 0.4
+    rows = report.verdict_rows({"tests": [test], "train": {}})
+    assert "20 tasks paired (8 differ)" in rows[0][1]
+
+
+def test_a_round_with_dynamic_sampling_says_what_it_drew():
+    record = {"groups_asked": 16, "max_draws": 64, "pool": 64, "draws": 48, "sessions": 192, "informative": 11,
+              "kept": [f"t{i}" for i in range(11)], "reached": False, "pool_pass_rate": 0.2344,
+              "batches": [{"folder": "sft", "tasks": [], "informative": 4}] * 3}  # fmt: skip
+    train = {"grpo1": {"steps": 3, "groups": 11, "groups_with_signal": 11, "per_step": [], "sampling": record}}
+    rows = report.verdict_rows({"tests": [], "train": train})
+    assert rows[-1][0] == "dynamic sampling for grpo1"
+    assert rows[-1][1] == (
+        "11 informative groups in 48 tasks drawn (192 sessions, 3 batch(es), at most 64 of a pool of 64), pool pass "
+        "rate 23%; trained on 11 of 16 groups asked (the draw limit came first)"
+    )
