@@ -95,6 +95,9 @@ class Args:
     models; docker: each session in its task's own image (python -m eval images build), no network but its proxy."""
     limits: Limits = dataclasses.field(default_factory=Limits)
     """With --runtime docker: what each session's container may use."""
+    mounts: tuple[Path, ...] = ()
+    """With --runtime docker: host files or folders bound read-only at the same paths (e.g. what a --command
+    runs); the harness install and this interpreter are bound anyway."""
     # ---- limits
     concurrency: int = 1
     """Sessions at a time."""
@@ -152,6 +155,8 @@ class Args:
                 read_secret(self.session_secret)
             except (OSError, ValueError) as e:
                 raise EvalError(f"--session-secret {self.session_secret}: {e}") from e
+        if missing := [str(m) for m in self.mounts if not m.exists()]:
+            raise EvalError(f"--mounts: no such file or folder: {', '.join(missing)}")
         if self.runtime != "local" and self.transparent:
             raise EvalError(
                 f"--transparent runs harnesses on this machine; it does not go with --runtime {self.runtime}"
@@ -232,7 +237,7 @@ def roll_out(job: Job, args: Args, work_root: Path, logs: Path) -> dict[str, Any
                     box = stack.enter_context(
                         RUNTIMES[args.runtime].open(
                             job.task, job.session_id, work, proxy=args.proxy, run_tag=job.run_tag,
-                            mounts=_mounts(args.harness), limits=args.limits,
+                            mounts=[*_mounts(args.harness), *args.mounts], limits=args.limits,
                         )
                     )  # fmt: skip
                     argv, env = prepare(

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import secrets
@@ -251,14 +252,17 @@ def grade_docker(
     client: DockerClient,
     run_id: str,
 ) -> Grade:
-    """Grade with swebench's ``run_instance`` in the instance's container; its logs are copied to ``log_dir``."""
+    """Grade with swebench's ``run_instance`` in a fresh container of the instance's image; its logs are copied to
+    ``log_dir``, and swebench's own copy under ``logs/run_evaluation/`` is removed."""
     from swebench.harness.constants import LOG_INSTANCE, LOG_REPORT, LOG_TEST_OUTPUT, RUN_EVALUATION_LOG_DIR
     from swebench.harness.run_evaluation import run_instance
 
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    # swebench keys its log folder by model name (with "/" as "__"): the session id keeps sessions apart.
-    name = session_id.replace("/", "__")
+    # swebench names the container sweb.eval.<instance>.<run id> and reuses a report it finds under its run id:
+    # a run id of this session's own, so samples of one task graded at once never share a container or a report.
+    run_id = f"{run_id}.{hashlib.sha256(session_id.encode()).hexdigest()[:12]}"
+    name = session_id.replace("/", "__")  # swebench's folder for the model name
     try:
         spec = make_test_spec(validate(task, "task"))
         result = run_instance(
@@ -271,13 +275,19 @@ def grade_docker(
     except Exception as e:  # noqa: BLE001 - a broken instance or a container failure costs this session only
         (log_dir / "eval.log").write_text(f"eval_error: {type(e).__name__}: {e}\n{traceback.format_exc()}")
         return _ungraded("eval_error")
-    swebench_dir = RUN_EVALUATION_LOG_DIR / run_id / name / spec.instance_id
-    copies = ((LOG_TEST_OUTPUT, "eval.log"), (LOG_INSTANCE, "run_instance.log"), (LOG_REPORT, "report.json"))
-    for source, target in copies:
-        if (swebench_dir / source).exists():
-            shutil.copyfile(swebench_dir / source, log_dir / target)
+    finally:
+        swebench_run = RUN_EVALUATION_LOG_DIR / run_id
+        swebench_dir = swebench_run / name / str(task.get("instance_id"))
+        copies = ((LOG_TEST_OUTPUT, "eval.log"), (LOG_INSTANCE, "run_instance.log"), (LOG_REPORT, "report.json"))
+        for source, target in copies:
+            if (swebench_dir / source).exists():
+                shutil.copyfile(swebench_dir / source, log_dir / target)
+        shutil.rmtree(swebench_run, ignore_errors=True)
+        for empty in (RUN_EVALUATION_LOG_DIR, RUN_EVALUATION_LOG_DIR.parent):
+            with contextlib.suppress(OSError):
+                empty.rmdir()  # only when no other grading is using it
     if result is None:
-        instance_log = (swebench_dir / LOG_INSTANCE).read_text() if (swebench_dir / LOG_INSTANCE).exists() else ""
+        instance_log = (log_dir / "run_instance.log").read_text() if (log_dir / "run_instance.log").exists() else ""
         if APPLY_PATCH_FAIL in instance_log:
             return _ungraded("patch_failed")
         return _ungraded("tests_timed_out" if "Test timed out" in instance_log else "eval_error")
@@ -340,17 +350,8 @@ def read_predictions(path: Path) -> list[dict[str, Any]]:
 
 
 def main(args: Args) -> int:
-    with contextlib.ExitStack() as cleanup:  # the docker client, swebench's own log folder
+    with contextlib.ExitStack() as cleanup:  # the docker client
         return _main(args, cleanup)
-
-
-def _remove_swebench_logs(run_id: str) -> None:
-    from swebench.harness.constants import RUN_EVALUATION_LOG_DIR
-
-    shutil.rmtree(RUN_EVALUATION_LOG_DIR / run_id, ignore_errors=True)
-    for empty in (RUN_EVALUATION_LOG_DIR, RUN_EVALUATION_LOG_DIR.parent):
-        with contextlib.suppress(OSError):
-            empty.rmdir()
 
 
 def _main(args: Args, cleanup: contextlib.ExitStack) -> int:
@@ -376,12 +377,8 @@ def _main(args: Args, cleanup: contextlib.ExitStack) -> int:
             print(no_daemon.format(str(e).splitlines()[0][:200]), file=sys.stderr)
             return 1
 
-        # swebench reuses a report it finds under logs/run_evaluation/<run id>/ in the current folder: a fresh id per
-        # grading, so a rerun (or another run folder of the same name) is graded afresh. Its folder goes at the end;
-        # the logs are copied into RUN_DIR/logs first.
-        run_id = f"{out_dir.name}-{secrets.token_hex(4)}"
+        run_id = f"{out_dir.name}-{secrets.token_hex(4)}"  # a rerun, or another folder of this name, grades afresh
         cleanup.callback(client.close)
-        cleanup.callback(_remove_swebench_logs, run_id)
 
         def run(job: Job, task: dict[str, Any], log_dir: Path) -> Grade:
             return grade_docker(

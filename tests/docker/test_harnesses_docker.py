@@ -11,8 +11,7 @@ under its session id with token ids, no key refused, and no container left with 
 (the daemon may be running other tests' containers meanwhile).
 
 ``shell`` runs the ``mini`` agent by path with the host's interpreter, which the docker runtime binds at its own
-path. mini.py itself is bound only for ``--harness mini``: a shell command naming eval/harness/mini.py exits 2 in
-the container ("can't open file"), so this one writes mini.py into the session's HOME first.
+path; mini.py comes in as the command's file, with ``--mounts`` (bound read-only at its own path).
 """
 
 from __future__ import annotations
@@ -50,14 +49,9 @@ HARNESS_CASES: dict[str, Case] = CASES | {"mini": MINI_CASE, "shell": MINI_CASE}
 
 
 def shell_command() -> str:
-    """mini by path: the host's interpreter (bound at its own path), mini.py written into HOME from the command."""
-    source = MINI.read_text()
-    assert "EOF_MINI" not in source and "{instruction}" not in source
-    agent = shlex.quote(sys.executable)
-    write = f"cat > \"$HOME/mini.py\" <<'EOF_MINI'\n{source}EOF_MINI\n"
-    run = f'{agent} -P "$HOME/mini.py" --model tiny --workspace . --base-url "$OPENAI_BASE_URL"'
-    run += ' --api-key "$OPENAI_API_KEY" --prompt-file <(printf %s {instruction})'
-    return write + run
+    """mini by path: the host's interpreter and mini.py, both bound at their own paths."""
+    run = f"{shlex.quote(sys.executable)} -P {shlex.quote(str(MINI))} --model tiny --workspace ."
+    return run + ' --base-url "$OPENAI_BASE_URL" --api-key "$OPENAI_API_KEY" --prompt-file <(printf %s {instruction})'
 
 
 @dataclasses.dataclass
@@ -103,6 +97,7 @@ def run_session(
             session_secret=secret,
             tools=case.tools,
             command=shell_command() if harness == "shell" else None,
+            mounts=(MINI,) if harness == "shell" else (),
             timeout=RUN_TIMEOUT,
         )
         start = time.monotonic()
