@@ -23,8 +23,8 @@ and labelled with a content key (``polar.key``) and built only when no image of 
   list`` less local paths and ``file://`` indexes, which the image lacks) and the system CA bundle. Neither is
   part of the key: they are how the build reaches the index, not what the image holds.
 - **task**: FROM env, the task's checkout (``eval.tasks.checkout``, ``.git`` included) at ``/testbed``, ``WORKDIR
-  /testbed``, ``STOPSIGNAL SIGKILL`` (swebench stops its containers with ``docker stop``, whose SIGTERM the
-  container's ``tail -f /dev/null`` ignores for 10 s), tagged with the instance's ``image`` field
+  /testbed``, ``STOPSIGNAL SIGKILL`` (swebench stops its containers with ``docker stop --time=15``, whose SIGTERM
+  the container's ``tail -f /dev/null`` ignores for all 15 s), tagged with the instance's ``image`` field
   (``<repo>:<base_commit[:12]>``).
 
 Keys chain: the env's covers the base's, the task's the env's, so a new recipe, pytest or base rebuilds what
@@ -243,13 +243,16 @@ def debian_mirror(sources_dir: Path = SOURCES_DIR, sources_list: Path = SOURCES_
     return DEFAULT_MIRROR
 
 
-def build_pip_config() -> str:
-    """pip.conf for the env build: the system CA bundle, and the host's index settings that hold in the image."""
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, timeout=60, check=False
-    )
+def build_pip_config(listing: str | None = None) -> str:
+    """pip.conf for the env build: the system CA bundle, and the host's index settings that hold in the image, from
+    ``listing`` (``pip config list``'s output; by default this interpreter's pip is asked)."""
+    if listing is None:
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, timeout=60, check=False
+        )
+        listing = done.stdout if done.returncode == 0 else ""
     settings: dict[str, str] = {}
-    for line in done.stdout.splitlines() if done.returncode == 0 else []:
+    for line in listing.splitlines():
         match = re.fullmatch(r"(global|install|:env:)\.([\w-]+)=(.*)", line.strip())
         if not match or match.group(2) not in PIP_KEYS:
             continue
@@ -526,21 +529,27 @@ def summarize(done: Sequence[Built], out: Console) -> None:
     table = Table(title="images", title_justify="left")
     for column in ("layer", "image", "action", "seconds"):
         table.add_column(column, justify="right" if column == "seconds" else "left")
+
+    def row(b: Built) -> None:
+        action = b.action + (f": {b.detail}" if b.action == "missing" else "")
+        table.add_row(b.kind, b.image, action, f"{b.seconds:.1f}")
+
     for b in done:
-        if b.kind != "task":
-            table.add_row(
-                b.kind, b.image, b.action + (f": {b.detail}" if b.action == "missing" else ""), f"{b.seconds:.1f}"
-            )
+        if b.kind in ("base", "env"):
+            row(b)
     tasks = [b for b in done if b.kind == "task"]
     if tasks:
         built = [b for b in tasks if b.action == "built"]
         each = f" ({sum(b.seconds for b in built) / len(built):.2f} s each)" if built else ""
         table.add_row(
             "task",
-            f"{len(tasks)} images",
+            f"{len(tasks)} image(s)",
             f"{len(built)} built{each}, {len(tasks) - len(built)} reused",
             f"{sum(b.seconds for b in built):.1f}",
         )
+    for b in done:
+        if b.kind == "foreign":
+            row(b)
     out.print(table)
     made = sum(b.action in ("built", "pulled") for b in done)
     if made == 0 and not any(b.action == "missing" for b in done):
