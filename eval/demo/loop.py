@@ -3,7 +3,7 @@ It trains on the generated family's training split (eval/taskgen.py) and is meas
 
     python -m eval demo [--harness mini|pi] [--seed 0] [--rounds 3] [--teach-count 64] [--grpo-task-count 16]
                         [--heldout-sessions 64] [--samples 4] [--tasks ID ...] [--heldout ID ...] [--reuse RUN]
-                        [--runtime auto|local|docker]
+                        [--runtime auto|local|docker] [--groups 16 [--max-draws 64] [--pool ID ...]]
     make demo [HARNESS=pi] [SEED=1] [ROUNDS=3] [TEACH=64] [GRPO_TASKS=16] [HELDOUT=64] [SAMPLES=4] [THREADS=2]
               [REUSE=runs/demo/<time>] [RUNTIME=docker]
 
@@ -29,11 +29,15 @@ task the run uses):
    trajectories.parquet, so each split's stats show what the harness sent.
 5. GRPO, --rounds times: ``accelerate launch train/grpo.py --adapter <previous>`` on the previous stage's
    trajectories of the GRPO tasks (--grpo-task-count training tasks SFT did not see) -> RUN/adapters/grpo<k>,
-   served and rolled out as stage grpo<k>. Held-out tasks are never trained on.
+   served and rolled out as stage grpo<k>. Held-out tasks are never trained on. With --groups N (dynamic sampling,
+   eval/demo/sampling.py) the previous stage's policy first draws more --pool tasks (RUN/grpo<k>-draw<b>/) until N
+   groups have rewards that differ or --max-draws tasks were drawn, and the round trains on those N groups
+   (RUN/grpo<k>-sampling.parquet; what it drew: RUN/grpo<k>-sampling.json).
 6. summary (eval/demo/report.py): pass@1 per stage on the trained and the held-out tasks with 95 % Wilson
    intervals; SFT's gain, GRPO's own gain (last round against the SFT stage) and the whole loop's, each on each
-   split apart, with a 95 % Newcombe interval of the difference and Fisher's exact test; RUN/summary.json,
-   RUN/report.html. ``python -m eval demo-report RUN`` recounts.
+   split apart, paired over the tasks both stages ran (eval/stats.py: sign-flip test, bootstrap interval), with
+   Fisher's exact test and Newcombe's interval beside; RUN/summary.json, RUN/report.html. ``python -m eval
+   demo-report RUN`` recounts.
 
 --max-len follows the harness unless given: 1024 tokens for mini, 3072 for a shipped CLI (Pi's traces are ~1,750
 tokens; at 1024 every one was dropped as prompt_too_long and SFT had nothing to train). docs/demo.md has the
@@ -58,19 +62,22 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import polars as pl
 from rich.console import Console
 
 from eval import taskgen
 from eval.containers import daemon_address, require_daemon
 from eval.demo import report as demo_report
+from eval.demo import sampling
 from eval.errors import EvalError
 from eval.harness.presets import PRESETS, Name
 from eval.procs import Mitmdump, ReferenceServer, new_secret_file, stop_tree
-from eval.runs import TASKS
+from eval.runs import TASKS, read_rewards
 from eval.runtime import RUNTIMES
 from eval.tasks import FAMILY, TOY_DIR, TOY_REPO_OWNER, load_tasks, save_tasks
 from eval.upstream.models import build_smollm2
 from eval.upstream.vllm import VllmServer
+from reconstruct import schema
 
 console = Console()
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,6 +152,17 @@ class Args:
     """GRPO learning rate of the LoRA adapter. Each round is a fresh Adam, whose first step moves every LoRA
     weight by about lr: measured after SFT, 5e-4 collapsed the policy (16/32 -> 0/32), 2e-4 moved the log-prob
     of the right fix up but another task's down, 1e-4 moved both the right way."""
+    groups: int | None = None
+    """Dynamic sampling (DAPO): before each GRPO round, the policy it starts from keeps drawing tasks from --pool
+    (its --samples each; the previous stage's own --tasks rollouts are the first batch) until the round has this many
+    groups with mixed rewards, or --max-draws tasks were drawn; the round trains on those groups only. Each round's
+    draws, informative groups and pool pass rate are recorded (RUN/grpo<k>-sampling.json, summary.json, report.html).
+    None: off, each round trains on the previous stage's --tasks rollouts as they came."""
+    max_draws: int = 64
+    """With --groups: tasks drawn per round at most, the first batch (--tasks) included."""
+    pool: tuple[str, ...] = ()
+    """With --groups: the training tasks drawn from. Default: the family's training split less the taught tasks
+    (SFT never saw them; --tasks are among them)."""
     scale_by_std: bool = False
     """Divide advantages by the group's reward std (Polar) or not (Dr. GRPO, the default here): with 16 samples,
     a group solved 15 times gives its one failure an advantage of -4 under std scaling, and one round took such
@@ -193,13 +211,16 @@ class Args:
                 self.teach_count,
                 self.grpo_task_count,
                 self.heldout_sessions,
+                self.max_draws,
+                self.groups or 1,
             )
             < 1
             or self.rounds < 0
         ):
             raise ValueError(
                 "--samples, --heldout-samples, --concurrency, --threads, --max-turns, --sft-steps, --grpo-steps, "
-                "--teach-count, --grpo-task-count and --heldout-sessions must be >= 1, --rounds >= 0"
+                "--teach-count, --grpo-task-count, --heldout-sessions, --groups and --max-draws must be >= 1, "
+                "--rounds >= 0"
             )
         if self.samples < 2:
             raise ValueError("--samples must be >= 2: GRPO compares the samples of a task with each other")
@@ -219,10 +240,14 @@ class Args:
                 f"the family of seed {self.family_seed} has {len(train)} training tasks: too few for --teach-count "
                 f"{self.teach_count} and --grpo-task-count {self.grpo_task_count}"
             )
-        if overlap := set(self.heldout) & (set(self.tasks) | set(self.teach)):
-            raise ValueError(f"{sorted(overlap)}: a held-out task cannot be trained on (--tasks) or taught (--teach)")
+        if self.groups is not None and not self.pool:
+            self.pool = tuple(t for t in train if t not in set(self.teach))
+        if overlap := set(self.heldout) & (set(self.tasks) | set(self.teach) | set(self.pool)):
+            raise ValueError(
+                f"{sorted(overlap)}: a held-out task cannot be trained on (--tasks, --pool) or taught (--teach)"
+            )
         for flag, ids, split in (("--heldout", self.heldout, "heldout"), ("--tasks", self.tasks, "train"),
-                                 ("--teach", self.teach, "train")):  # fmt: skip
+                                 ("--teach", self.teach, "train"), ("--pool", self.pool, "train")):  # fmt: skip
             wrong = [i for i in ids if i.startswith(f"{taskgen.OWNER}__") and taskgen.instance_split(i) != split]
             if wrong:
                 raise ValueError(f"{flag} {wrong[0]}: a generated task of the other split (this one takes {split})")
@@ -601,7 +626,8 @@ def demo(config: Args) -> int:
     run = (config.out / stamp).resolve()
     (run / "logs").mkdir(parents=True)
     # Every task of the run, in one SWE-bench JSONL that each rollout reads (toy and generated tasks alike).
-    save_tasks(load_instances((*config.teach, *config.tasks, *config.heldout), config.family_seed), run / TASKS)
+    every = (*config.teach, *config.tasks, *config.pool, *config.heldout)
+    save_tasks(load_instances(every, config.family_seed), run / TASKS)
     try_docker = config.runtime != "local" and unavailable is None
     loop = Loop(run, total=6 + 2 * config.rounds - (config.reuse is not None) + try_docker)
     console.print(
@@ -685,11 +711,14 @@ def demo(config: Args) -> int:
             if stage != "base":
                 if stage != "sft":  # GRPO on the previous stage's rollouts, continuing its adapter
                     assert previous is not None  # base, the first stage, trains nothing
+                    data, groups = run / previous / "trajectories.parquet", len(config.tasks)
+                    if config.groups is not None:  # dynamic sampling: the round's groups with a signal
+                        data, groups = draw_groups(stages, server, config, stage, previous, seed=config.seed + k)
                     grpo = accelerate(
                         "grpo.py",
                         config,
                         "--trajectories",
-                        run / previous / "trajectories.parquet",
+                        data,
                         "--model",
                         model,
                         "--adapter",
@@ -697,7 +726,7 @@ def demo(config: Args) -> int:
                         "--output",
                         adapters / stage,
                         "--groups-per-step",
-                        str(len(config.tasks)),
+                        str(groups),
                         "--epochs",
                         str(config.grpo_steps),
                         "--max-len",
@@ -749,6 +778,57 @@ def demo(config: Args) -> int:
         soft_wrap=True,
     )
     return 0
+
+
+def group_rewards(folder: Path) -> dict[str, list[float]]:
+    """Each task's rewards in a graded run folder (ungraded sessions left out)."""
+    rewards = read_rewards(folder).filter(pl.col("reward").is_not_null()).sort("task_id", "sample_id")
+    out: dict[str, list[float]] = {}
+    for task, reward in rewards.select("task_id", "reward").iter_rows():
+        out.setdefault(task, []).append(reward)
+    return out
+
+
+def draw_groups(
+    stages: Stages, server: ReferenceServer | VllmServer, config: Args, stage: str, previous: str, seed: int
+) -> tuple[Path, int]:
+    """Dynamic sampling before GRPO round ``stage`` (eval/demo/sampling.py): the ``previous`` stage's --tasks
+    rollouts, then batches of --pool tasks rolled out by that stage's policy into RUN/<stage>-draw<b>/, until
+    --groups informative groups or --max-draws tasks. Writes RUN/<stage>-sampling.json (the record) and
+    RUN/<stage>-sampling.parquet (the kept groups' traces); returns what the round trains on and its groups per
+    step. With no informative group it returns the previous stage's rollouts (the round then trains nothing)."""
+    run = stages.loop.run
+    assert config.groups is not None
+
+    def roll(folder: str, tasks: tuple[str, ...]) -> dict[str, list[float]]:
+        stages.loop.total += 1
+        title = f"GRPO round {stage[4:]}: dynamic sampling, {len(tasks)} pool tasks by {previous}"
+        stages.run(server, folder, previous, {folder: (tasks, config.samples)}, title)
+        return group_rewards(run / folder)
+
+    sampled = sampling.dynamic_sample(
+        (previous, group_rewards(run / previous)),
+        config.pool,
+        groups=config.groups,
+        max_draws=config.max_draws,
+        seed=seed,
+        name=stage,
+        roll=roll,
+    )
+    record = sampled.record()
+    (run / f"{stage}-sampling.json").write_text(json.dumps(record, indent=1) + "\n")
+    console.print(
+        f"{stage}: {record['informative']} informative groups in {record['draws']} tasks drawn "
+        f"({record['sessions']} sessions, pool pass rate {record['pool_pass_rate']}); training on "
+        f"{len(sampled.kept)} of --groups {config.groups}",
+        highlight=False,
+    )
+    if not sampled.kept:
+        return run / previous / "trajectories.parquet", len(config.tasks)
+    kept = pl.concat([schema.read(run / b.folder / "trajectories.parquet") for b in sampled.batches]).filter(
+        pl.col("task_id").is_in(list(sampled.kept))
+    )
+    return schema.write(kept, run / f"{stage}-sampling.parquet"), len(sampled.kept)
 
 
 def _plain(config: Args) -> dict[str, Any]:
