@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-vllm test-docker check bench clean
+.PHONY: demo test test-fast test-vllm test-docker check bench bench-docker clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -91,6 +91,12 @@ bench: $(STAMP) models/smollm2
 	$(BIN)/python -m tests.bench.reliability
 	$(BIN)/python -m tests.bench.suite
 	$(BIN)/python -m tests.bench.summary
+
+# What a session's container costs against a local checkout, phase by phase (tests/bench/runtime.py); a daemon
+# (DOCKER_HOST) and the family images it builds.
+bench-docker: $(STAMP)
+	@test -n "$$DOCKER_HOST" || { echo "make bench-docker: export DOCKER_HOST (.ci/dockerd start prints it)" >&2; exit 2; }
+	$(BIN)/python -m tests.bench.runtime
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache build *.egg-info
