@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-vllm test-docker check bench bench-docker clean
+.PHONY: demo test test-fast test-vllm test-docker test-gym check bench bench-docker clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +68,15 @@ test-vllm: $(STAMP) $(VLLM_STAMP) models/smollm2
 test-docker: $(STAMP)
 	@test -n "$$DOCKER_HOST" || { echo "make test-docker: export DOCKER_HOST (.ci/dockerd start prints it)" >&2; exit 2; }
 	POLAR_TEST_DOCKER=1 $(BIN)/python -m pytest tests/docker --durations=0
+
+# The Gym tier: NeMo Gym 0.7.0 (Python >= 3.13.14) in a Debian forky root filesystem, tests/.cache/gymroot, built
+# once (debootstrap, uv, nemo-gym: about 2 minutes, 1.6 GB; needs root) by python -m eval.nemo_gym.gym_root; then
+# Gym's models on the examples, check_gym.py --service against the real service, and Gym's own gym env start + gym
+# eval run over the example rows (tests/gym). POLAR_GYM=1: a Gym test that skips fails instead.
+test-gym: $(STAMP)
+	$(BIN)/python -m eval.nemo_gym.gym_root
+	POLAR_GYM=1 $(BIN)/python -m pytest -n 2 --dist loadfile tests/gym tests/eval/test_nemo_gym.py \
+		tests/eval/service/test_app.py --durations=5
 
 # The edit loop: the tests not marked slow (no real processes or models), in under 2 minutes.
 test-fast: $(STAMP)
