@@ -2,6 +2,7 @@
 worker asks first (``run_once``), and reference servers on the tiny model."""
 
 import json
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -44,6 +45,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     order = {item.nodeid: rank(file) for item, file in zip(items, files, strict=True)}
     items.sort(key=lambda item: order[item.nodeid])  # stable: each file's tests stay together, in their order
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """In the Gym tier (make test-gym sets POLAR_GYM=1) a skip is a failure: each of its tests is there to run."""
+    outcome = yield
+    report = outcome.get_result()
+    if os.environ.get("POLAR_GYM") == "1" and report.skipped and not hasattr(report, "wasxfail"):
+        report.outcome = "failed"
+        report.longrepr = f"skipped in the Gym tier (POLAR_GYM=1), where nothing may skip: {report.longrepr}"
 
 
 def pytest_configure(config: pytest.Config) -> None:

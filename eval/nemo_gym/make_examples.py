@@ -7,7 +7,9 @@ addon/polar.py; the rollout service (eval/service/app.py) runs the ``mini`` harn
 through the same submission and verify-response code that app.py's /run uses (polar_gym.py). The scripted tool call
 applies the gold patch on the first three tasks (reward 1) and writes a stray file on the other two (reward 0). Token
 ids and log-probs are the model's own (teacher-forced), so tests can decode them with the same tokenizer, whose hash
-goes into example_rollouts.meta.json.
+goes into example_rollouts.meta.json with its chat template's (which renders the prompt ids; a file of its own,
+chat_template.jinja, that tokenizer.json does not cover). Neither covers the harness's prompt: make test-gym
+(tests/gym) runs these rows again and compares the ids.
 
 It replaces no file (issue 37): if one of the three is already in --out it stops with exit status 2 naming it, before
 any work, and one that appears meanwhile is left as it is, with the same error. To make the committed examples
@@ -117,9 +119,11 @@ def main(args: Args) -> int:
                 rollouts = list(pool.map(rollout, range(len(rows))))
             http.shutdown()
         tokenizer_sha = hashlib.sha256((model / "tokenizer.json").read_bytes()).hexdigest()
+        template_sha = hashlib.sha256((model / "chat_template.jinja").read_bytes()).hexdigest()
     meta = {
         "model": "python -m eval models tiny",
         "tokenizer_sha256": tokenizer_sha,
+        "chat_template_sha256": template_sha,
         "command": "python -m eval.nemo_gym.make_examples",
     }
     contents = [

@@ -1,11 +1,12 @@
 """python -m eval serve-rollouts end to end on CPU: the scripted reference server behind the real mitmdump + addon,
 the service in its own process, jobs for `mini`, Pi (a real harness CLI), a crashing harness, a failed grade and a
-cancelled hang, and at the same time one NeMo Gym /run (eval/nemo_gym: app.py in Gym's own virtualenv when
-tests/.cache/gymvenv exists, see test_nemo_gym.py; else the same polar_gym code in this interpreter); then a restart
-that still serves the finished results.
+cancelled hang, and at the same time one NeMo Gym /run (eval/nemo_gym: check_gym.py --service, app.py under Gym
+0.7.0's own FastAPI app and models, when its interpreter exists, tests/gym/helpers.py, and always in make test-gym;
+else the same polar_gym code in this interpreter); then a restart that still serves the finished results.
 
 The reference server replays one script for every session: a bash tool call that applies the gold patch when the
-workspace is at the "fixed" task's commit and writes NOTES.txt elsewhere, then a final answer.
+workspace is at the "fixed" task's commit and writes NOTES.txt elsewhere, then a final answer. The "fixed" task is
+the first row of the Gym agent's data/example.jsonl, the row check_gym.py --service sends.
 """
 
 import json
@@ -24,10 +25,10 @@ import pytest
 from eval.procs import Service, free_port
 from eval.tasks import load_tasks
 from tests.captures import scripted_proxy
+from tests.gym.helpers import gym_python
 
 ROOT = Path(__file__).resolve().parents[3]
 GYM_AGENT = ROOT / "eval" / "nemo_gym" / "responses_api_agents" / "polar_swe_agent"
-GYM_PYTHON = ROOT / "tests" / ".cache" / "gymvenv" / "bin" / "python"  # made by test_nemo_gym.py when it can be
 sys.path.insert(0, str(GYM_AGENT))
 from polar_gym import ServiceClient, contiguity_errors, submission, verify_response  # noqa: E402
 
@@ -78,15 +79,14 @@ def start_service(proxy, root, token_file, log) -> Service:
 def gym_run(url, task, token_file):
     """One Gym dataset row through /run: Gym's answer (a dict) and which code produced it."""
     row = {"responses_create_params": {"input": []}, "instance": task}
-    if (
-        GYM_PYTHON.exists()
-        and subprocess.run([GYM_PYTHON, "-c", "import nemo_gym"], capture_output=True).returncode == 0
-    ):
+    if python := gym_python():  # None outside make test-gym when there is none; a failure inside it
         # app.py under Gym's own FastAPI and models, on the first example row: the same task
-        cmd = [GYM_PYTHON, "check_gym.py", "--service", url, "--token-file", str(token_file)]
+        cmd = [python, "check_gym.py", "--service", url, "--token-file", str(token_file)]
         done = subprocess.run(cmd, cwd=GYM_AGENT, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout.splitlines()[-1])["run"], "nemo_gym"
+        report = json.loads(done.stdout.splitlines()[-1])
+        assert report["aggregate"]["agent_metrics"]["mean/reward"] == report["run"]["reward"]  # /aggregate_metrics
+        return report["run"], "nemo_gym"
     client = ServiceClient(url, token=TOKEN, poll_s=0.5)
     results = client.run(submission(row, harness="mini", model="tiny", timeout=120), deadline_s=240)
     return verify_response(row, results, model="tiny"), "polar_gym"
@@ -104,7 +104,11 @@ def wait_finished(url, job_ids, timeout=240.0):
 
 @pytest.fixture(scope="module")
 def tasks():
-    fixed, wrong, crash, broken = sorted(load_tasks("toy"), key=lambda t: len(t["patch"]))[:4]
+    first_row = json.loads((GYM_AGENT / "data" / "example.jsonl").read_text().splitlines()[0])
+    by_id = {t["instance_id"]: t for t in load_tasks("toy")}
+    fixed = by_id.pop(first_row["instance"]["instance_id"])  # what check_gym.py --service sends
+    assert fixed == first_row["instance"], "data/example.jsonl is stale: python -m eval.nemo_gym.make_examples"
+    wrong, crash, broken = sorted(by_id.values(), key=lambda t: len(t["patch"]))[:3]
     return {"fixed": fixed, "wrong": wrong, "crash": crash, "broken": broken}
 
 
@@ -206,11 +210,13 @@ def test_service_runs_grades_reconstructs_cancels_and_survives_a_restart(proxy, 
         assert results["grade"]["phase_errors"] == {}
 
         # Gym's answer: the swebench reward, the main chain's token triple on the last item of each call.
-        assert (answer["reward"], answer["resolved"], answer["instance_config"]) == (
+        assert (answer["reward"], answer["resolved"], answer["mask_sample"], answer["instance_config"]) == (
             1.0,
             True,
+            False,
             {"mask_sample": False},
         ), produced_by
+        assert produced_by == "nemo_gym" or gym_python() is None
         assert contiguity_errors(answer["response"]["output"]) == []
         carriers = [item for item in answer["response"]["output"] if item.get("generation_token_ids")]
         assert [item["type"] for item in carriers] == ["function_call", "message"]

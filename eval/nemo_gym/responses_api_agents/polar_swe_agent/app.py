@@ -1,20 +1,24 @@
 """NeMo Gym agent server for Polar: ``/run`` hands a SWE task to polar-rl's rollout service and answers Gym's verify
 response with the swebench reward and the main chain's exact token ids (polar_gym.py does the reshaping).
 
-    NEMO_GYM_EXTRA_ROOTS=eval/nemo_gym gym env start \\
-        "+config_paths=[responses_api_agents/polar_swe_agent/configs/polar_swe_agent.yaml]"
+    NEMO_GYM_EXTRA_ROOTS=$PWD/eval/nemo_gym gym env start \\
+        "+config_paths=[responses_api_agents/polar_swe_agent/configs/polar_swe_agent.yaml]" \\
+        ++polar_swe_agent.responses_api_agents.polar_swe_agent.service_url=http://127.0.0.1:8090 \\
+        ++policy_model_name=MODEL
 
-Started by Gym in its own virtualenv (requirements.txt), as ``python app.py`` in this folder. The rollout service
-(``python -m eval serve-rollouts``) and the capture proxy in front of the policy model run beside it; see
-eval/nemo_gym/README.md. ``/v1/responses`` is not served: the harness owns the agent loop (Gym's
-external-agent-loop profile).
+Started by Gym in its own virtualenv (requirements.txt), as ``python app.py`` in this folder, behind the
+``legacy_agent`` environment server the config declares. The rollout service (``python -m eval serve-rollouts``)
+and the capture proxy in front of the policy model run beside it; see eval/nemo_gym/README.md. Every route of
+Gym 0.7's agent base class is served (its ``setup_webserver``: the session middleware, ``/run``,
+``/aggregate_metrics``, ``/v1/agent_sessions``, the traced ``/v1/responses``); ``/v1/responses`` answers 501: the
+harness owns the agent loop (Gym's external-agent-loop profile).
 """
 
 import asyncio
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from fastapi import Body, FastAPI, HTTPException
+from fastapi import Body, HTTPException
 from nemo_gym.base_resources_server import BaseRunRequest, BaseVerifyResponse
 from nemo_gym.base_responses_api_agent import BaseResponsesAPIAgentConfig, SimpleResponsesAPIAgent
 from nemo_gym.openai_utils import NeMoGymResponse, NeMoGymResponseCreateParamsNonStreaming
@@ -52,17 +56,16 @@ class PolarSWERunRequest(BaseRunRequest):
 
 
 class PolarSWEVerifyResponse(BaseVerifyResponse):
-    model_config = ConfigDict(extra="allow")  # resolved, model_patch, instance_config.mask_sample, polar
+    # Gym 0.7's own mask_sample, failure_kind and failure_reason; beside them resolved, model_patch,
+    # instance_config.mask_sample (for Gym before 0.7) and polar.
+    model_config = ConfigDict(extra="allow")
 
 
 class PolarSWEAgent(SimpleResponsesAPIAgent):
     config: PolarSWEAgentConfig
-
-    def setup_webserver(self) -> FastAPI:
-        app = FastAPI()
-        app.post("/v1/responses")(self.responses)
-        app.post("/run")(self.run)
-        return app
+    ray_enabled: ClassVar[bool | None] = False  # Gym >= 0.7 asks; the agent only talks HTTP to the service
+    # No setup_webserver of its own: the base class's serves every route Gym calls, /aggregate_metrics included
+    # (the environment server forwards it here after a collection; its default aggregates the rewards).
 
     async def responses(self, body: NeMoGymResponseCreateParamsNonStreaming = Body()) -> NeMoGymResponse:
         # Gym's agent interface has a single-turn route; this agent has no turns to give: the harness runs the

@@ -15,8 +15,11 @@ swebench and rebuilds token traces; this module only reshapes what it returns:
   ``generation_log_probs`` on its last item only, then a ``function_call_output`` per tool result;
 - a call's generation is one maximal run of loss-mask 1s of the trace, and its prompt the trace's prompt plus
   every response token before that run (reconstruct/_merge.py: ``response_ids`` is a1 ‖ u1 ‖ a2 ‖ …);
-- ``reward`` is the swebench reward; ``instance_config.mask_sample`` is true, with the reasons in
-  ``polar.mask_reasons``, whenever NeMo RL should not train on the sample (MASK_REASONS).
+- ``reward`` is the swebench reward; ``mask_sample`` (Gym 0.7's BaseVerifyResponse field, and
+  ``instance_config.mask_sample`` for readers older than 0.7) is true, with the reasons in ``polar.mask_reasons``,
+  whenever NeMo RL should not train on the sample (MASK_REASONS); ``failure_kind`` then names the first reason in
+  Gym's vocabulary (FAILURE_KINDS: Gym's own name where one fits, else ``polar:<reason>``) and ``failure_reason``
+  says all of them.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import urllib.request
 from typing import Any
 
 __all__ = [
+    "FAILURE_KINDS",
     "MASK_REASONS",
     "RUNTIMES",
     "ServiceClient",
@@ -50,6 +54,13 @@ MASK_REASONS = {
     "call_split": "the main chain's loss mask or messages do not split into its calls",
     "non_contiguous": "a call's prompt does not start with everything before it",
 }
+# Each mask reason as Gym 0.7's failure_kind (nemo_gym/failure_kinds.py): its shared name where one means the same,
+# else an environment's own "<server>:<kind>", which Gym accepts without a warning.
+FAILURE_KINDS = {
+    "job_failed": "agent_run_error",
+    "timeout": "agent_timeout",
+    "grade_failed": "verifier_error",
+} | {reason: f"polar:{reason}" for reason in MASK_REASONS if reason not in ("job_failed", "timeout", "grade_failed")}
 FINISHED = ("done", "failed", "cancelled")
 # Where the service runs a session (polar-rl's eval/runtime.py RUNTIMES; a test keeps the two the same): local on
 # the service's machine, unsandboxed; docker in the task's own container, no network but its proxy.
@@ -246,6 +257,8 @@ def verify_response(row: dict[str, Any], results: dict[str, Any], *, model: str)
     reasons += ["timeout"] if session.get("status") == "timeout" else []
     reasons += ["grade_failed"] if session.get("reason") == "eval_error" or session.get("grade_error") else []
     params = row.get("responses_create_params") or {}
+    error = results.get("error") or session.get("error")
+    failure = "; ".join(f"{r}: {MASK_REASONS[r]}" for r in reasons) + (f" ({error})" if reasons and error else "")
     response = {
         "id": f"resp_{session.get('session_id') or results['job_id']}",
         "created_at": int(time.time()),
@@ -262,7 +275,10 @@ def verify_response(row: dict[str, Any], results: dict[str, Any], *, model: str)
         "reward": float(session.get("reward") or 0.0),
         "resolved": bool(session.get("resolved")),
         "model_patch": session.get("patch") or "",
-        "instance_config": {"mask_sample": bool(reasons)},
+        "mask_sample": bool(reasons),  # Gym >= 0.7 reads this one
+        "failure_kind": FAILURE_KINDS[reasons[0]] if reasons else None,
+        "failure_reason": failure or None,
+        "instance_config": {"mask_sample": bool(reasons)},  # and readers before 0.7 this one
         "polar": {
             "job_id": results["job_id"],
             "session_id": session.get("session_id"),
@@ -272,6 +288,6 @@ def verify_response(row: dict[str, Any], results: dict[str, Any], *, model: str)
             "n_traces": len(traces),
             "main_trace": main["trace_id"] if main else None,
             "trajectories": results.get("trajectories"),
-            "error": results.get("error") or session.get("error"),
+            "error": error,
         },
     }
