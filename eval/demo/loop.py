@@ -50,6 +50,7 @@ import contextlib
 import dataclasses
 import datetime
 import importlib.util
+import itertools
 import json
 import os
 import shlex
@@ -614,6 +615,21 @@ def choose_runtime(loop: Loop, asked: str, unavailable: str | None) -> Chosen:
     return runtime
 
 
+def new_run_folder(parent: Path) -> Path:
+    """``parent/<UTC time>/`` with its logs/, made here; a demo started in the same second gets ``<time>-2``, ..."""
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    parent.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        run = (parent / (stamp if n == 1 else f"{stamp}-{n}")).resolve()
+        try:
+            run.mkdir()
+        except FileExistsError:
+            continue
+        (run / "logs").mkdir()
+        return run
+    raise AssertionError("unreachable")
+
+
 def demo(config: Args) -> int:
     started = time.monotonic()
     # Where sessions run: asked for, or (auto) docker where a daemon answers; refused before any folder is made.
@@ -622,9 +638,7 @@ def demo(config: Args) -> int:
         raise EvalError(f"--runtime docker: {unavailable}")
     # Every process below inherits this: torch spawning one thread per core on a shared box slows it many times.
     os.environ["OMP_NUM_THREADS"] = str(config.threads)
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-    run = (config.out / stamp).resolve()
-    (run / "logs").mkdir(parents=True)
+    run = new_run_folder(config.out)
     # Every task of the run, in one SWE-bench JSONL that each rollout reads (toy and generated tasks alike).
     every = (*config.teach, *config.tasks, *config.pool, *config.heldout)
     save_tasks(load_instances(every, config.family_seed), run / TASKS)

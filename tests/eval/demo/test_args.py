@@ -1,5 +1,6 @@
 """The demo's settings refuse what cannot run, before any model is built."""
 
+import datetime
 import sys
 
 import pytest
@@ -122,3 +123,15 @@ def test_the_note_and_the_table_say_which_runtime_ran():
     local = {"name": "local", "asked": "auto", "sandboxed": False, "why": "no daemon (--runtime auto)"}
     assert report.note(numbers | {"runtime": local}).startswith("Sessions ran UNSANDBOXED on this machine")
     assert "Sessions ran" not in report.note(numbers)  # a run from before --runtime
+
+
+def test_demos_started_in_the_same_second_get_folders_of_their_own(tmp_path, monkeypatch):
+    class Frozen(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.datetime(2026, 12, 4, 2, 47, 39, tzinfo=tz)
+
+    monkeypatch.setattr(loop.datetime, "datetime", Frozen)
+    runs = [loop.new_run_folder(tmp_path / "runs") for _ in range(3)]
+    assert [r.name for r in runs] == ["20261204T024739Z", "20261204T024739Z-2", "20261204T024739Z-3"]
+    assert all((r / "logs").is_dir() for r in runs) and sorted(runs)[-1] == runs[-1]  # the newest sorts last
