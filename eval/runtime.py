@@ -251,9 +251,10 @@ def open_docker(
     url = urlsplit(proxy)
     if url.scheme != "http" or url.port is None:
         raise EvalError(f"--runtime docker relays plain http://HOST:PORT proxies, got {proxy}")
-    home, sockets = (work / "home").resolve(), (work / "sock").resolve()
+    home = (work / "home").resolve()
     home.mkdir(parents=True, exist_ok=True)
-    sockets.mkdir(parents=True, exist_ok=True)
+    # A short folder of its own: a unix socket's path must stay under 108 bytes, which a run folder may not.
+    sockets = Path(tempfile.mkdtemp(prefix="polar-sock-", dir="/tmp"))
     relay = Relay(f"unix:{sockets}/proxy.sock", f"tcp:{url.hostname}:{url.port}").start()
     name = container_name(session_id)
     python = Path(sys.executable)
@@ -282,6 +283,7 @@ def open_docker(
             docker("exec", name, "chown", "-R", f"{os.getuid()}:{os.getgid()}", str(home), check=False)
         docker("rm", "-f", "-v", name, check=False)
         relay.stop()
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 def _wait_for_relay(name: str) -> None:

@@ -269,3 +269,18 @@ def test_a_session_whose_image_is_missing_fails_naming_it_and_never_runs_on_the_
     assert sessions["patch"].to_list() == ["", ""]
     assert all(not read_records(teacher.captures, session=sid) for sid in sessions["session_id"])
     assert containers_left(sessions) == []
+
+
+def test_kept_workspaces_under_a_long_run_folder(teacher, family_images, tmp_path):
+    """The relay's socket lives in a short folder of its own: a run folder's path may pass a socket path's 108
+    bytes. The kept workspace comes out as the caller's files."""
+    out = tmp_path / ("a-run-folder-with-a-long-name-" * 4) / "run"
+    save_tasks(family_images[:1], out.parent / "tasks.jsonl")
+    sessions = roll(teacher, family_images[:1], "mini", "docker", out, keep_workspaces=True)
+    assert sessions["status"].to_list() == ["ok"], sessions["error"].to_list()
+    repo = out / "workspaces" / sessions["session_id"][0] / "repo"
+    assert (repo / ".git").is_dir() and not (repo / "home").exists()
+    changed = subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], capture_output=True, text=True)
+    assert changed.stdout.strip(), "the kept workspace holds the agent's edit"
+    assert {p.stat().st_uid for p in repo.rglob("*")} == {os.getuid()}
+    assert containers_left(sessions) == []
