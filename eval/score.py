@@ -282,10 +282,7 @@ def grade_docker(
         for source, target in copies:
             if (swebench_dir / source).exists():
                 shutil.copyfile(swebench_dir / source, log_dir / target)
-        shutil.rmtree(swebench_run, ignore_errors=True)
-        for empty in (RUN_EVALUATION_LOG_DIR, RUN_EVALUATION_LOG_DIR.parent):
-            with contextlib.suppress(OSError):
-                empty.rmdir()  # only when no other grading is using it
+        shutil.rmtree(swebench_run, ignore_errors=True)  # its parents stay: other gradings may be making theirs
     if result is None:
         instance_log = (log_dir / "run_instance.log").read_text() if (log_dir / "run_instance.log").exists() else ""
         if APPLY_PATCH_FAIL in instance_log:
@@ -354,6 +351,15 @@ def main(args: Args) -> int:
         return _main(args, cleanup)
 
 
+def _remove_empty_swebench_folders() -> None:
+    """swebench's logs/run_evaluation/ in the current folder, once every grading is done, if nothing is left in it."""
+    from swebench.harness.constants import RUN_EVALUATION_LOG_DIR
+
+    for empty in (RUN_EVALUATION_LOG_DIR, RUN_EVALUATION_LOG_DIR.parent):
+        with contextlib.suppress(OSError):
+            empty.rmdir()
+
+
 def _main(args: Args, cleanup: contextlib.ExitStack) -> int:
     try:
         out_dir, tasks, jobs = load_jobs(args)
@@ -379,6 +385,7 @@ def _main(args: Args, cleanup: contextlib.ExitStack) -> int:
 
         run_id = f"{out_dir.name}-{secrets.token_hex(4)}"  # a rerun, or another folder of this name, grades afresh
         cleanup.callback(client.close)
+        cleanup.callback(_remove_empty_swebench_folders)
 
         def run(job: Job, task: dict[str, Any], log_dir: Path) -> Grade:
             return grade_docker(
