@@ -114,16 +114,19 @@ class Args:
     heldout: tuple[str, ...] = ()
     """Tasks no phase trains on, measured at every stage. Default: the family's held-out split (it shares no
     module, identifier or value with the training split), as many tasks as --heldout-sessions needs."""
-    heldout_sessions: int = 64
-    """With no --heldout: held-out sessions per stage, --heldout-samples per task (64 can show a gain from about
-    20 % to 45 % at p < 0.05)."""
+    heldout_sessions: int = 320
+    """With no --heldout: held-out sessions of the compared stages, --heldout-samples per task (320 = 64 tasks x 5:
+    the paired test's power for +9 points is >= 80 % there, docs/demo.md "Power")."""
     family_seed: int = 0
     """The seed of the generated family the default tasks come from (python -m eval tasks list --seed N)."""
     # ---- rollout sizes
     samples: int = 4
     """Rollouts per trained task per stage: one GRPO group each, and the trained-task pass-rate sample."""
-    heldout_samples: int = 1
-    """Rollouts per held-out task per stage."""
+    heldout_samples: int = 5
+    """Rollouts per held-out task at the stages GRPO's own gain compares: SFT and the last round."""
+    other_heldout_samples: int = 1
+    """Rollouts per held-out task at the other stages (base, GRPO rounds before the last): the same tasks, so their
+    tests still pair over tasks, at a fraction of the time (the base model solves none)."""
     max_tokens: int | None = 96
     """Output tokens per model call of the measured stages (None: the harness's own cap; codex and gemini need
     None). A generated task's sed takes up to about 90 tokens; the teacher's scripted replies are never capped."""
@@ -143,7 +146,7 @@ class Args:
     """SFT optimizer steps on the teacher sessions (all of them in each step)."""
     sft_lr: float = 5e-4
     """SFT learning rate, constant (measured: 8 steps leave the tool calls malformed, 12 solve 13 of 16)."""
-    rounds: int = 3
+    rounds: int = 2
     """GRPO rounds: each trains on the previous stage's rollouts, then rolls out again."""
     grpo_steps: int = 3
     """GRPO optimizer steps per round, each over all the round's groups (epochs over the same rollouts): after the
@@ -153,13 +156,13 @@ class Args:
     """GRPO learning rate of the LoRA adapter. Each round is a fresh Adam, whose first step moves every LoRA
     weight by about lr: measured after SFT, 5e-4 collapsed the policy (16/32 -> 0/32), 2e-4 moved the log-prob
     of the right fix up but another task's down, 1e-4 moved both the right way."""
-    groups: int | None = None
+    groups: int | None = 8
     """Dynamic sampling (DAPO): before each GRPO round, the policy it starts from keeps drawing tasks from --pool
     (its --samples each; the previous stage's own --tasks rollouts are the first batch) until the round has this many
     groups with mixed rewards, or --max-draws tasks were drawn; the round trains on those groups only. Each round's
     draws, informative groups and pool pass rate are recorded (RUN/grpo<k>-sampling.json, summary.json, report.html).
     None: off, each round trains on the previous stage's --tasks rollouts as they came."""
-    max_draws: int = 64
+    max_draws: int = 32
     """With --groups: tasks drawn per round at most, the first batch (--tasks) included."""
     pool: tuple[str, ...] = ()
     """With --groups: the training tasks drawn from. Default: the family's training split less the taught tasks
@@ -199,11 +202,18 @@ class Args:
         """--max-len, or the harness's default: mini's prompts are short, a shipped CLI's system prompt is not."""
         return self.max_len or (1024 if self.harness == "mini" else 3072)
 
+    def heldout_samples_at(self, stage: str) -> int:
+        """--heldout-samples at the stages GRPO's own gain compares (SFT and the last round), else
+        --other-heldout-samples."""
+        compared = ("sft", demo_report.stage_names(self.rounds)[-1])
+        return self.heldout_samples if stage in compared else self.other_heldout_samples
+
     def __post_init__(self) -> None:
         if (
             min(
                 self.samples,
                 self.heldout_samples,
+                self.other_heldout_samples,
                 self.concurrency,
                 self.threads,
                 self.max_turns,
@@ -219,7 +229,7 @@ class Args:
             or self.rounds < 0
         ):
             raise ValueError(
-                "--samples, --heldout-samples, --concurrency, --threads, --max-turns, --sft-steps, --grpo-steps, "
+                "--samples, --heldout-samples, --other-heldout-samples, --concurrency, --threads, --max-turns, --sft-steps, --grpo-steps, "
                 "--teach-count, --grpo-task-count, --heldout-sessions, --groups and --max-draws must be >= 1, "
                 "--rounds >= 0"
             )
@@ -272,8 +282,8 @@ REUSED = ("teacher", "base", "base-heldout")  # what --reuse copies: these run f
 # The flags the teacher sessions and the base stage depend on: a run reusing them must have the same values.
 # --runtime is not one: it changes where a session runs, not what the harness and the model do in it.
 REUSE_KEYS = (
-    "harness", "teach", "tasks", "heldout", "family_seed", "samples", "heldout_samples", "max_tokens", "max_turns",
-    "session_timeout", "concurrency", "upstream", "script", "seed",
+    "harness", "teach", "tasks", "heldout", "family_seed", "samples", "heldout_samples", "other_heldout_samples",
+    "max_tokens", "max_turns", "session_timeout", "concurrency", "upstream", "script", "seed",
 )  # fmt: skip
 
 
@@ -647,7 +657,8 @@ def demo(config: Args) -> int:
     console.print(
         f"run folder {shown(run)}: {config.harness}; SFT on {len(config.teach)} teacher sessions, then "
         f"{config.rounds} GRPO round(s) on {len(config.tasks)} tasks x {config.samples} samples; "
-        f"{len(config.heldout)} held-out task(s) x {config.heldout_samples}; --max-len {config.trace_tokens}",
+        f"{len(config.heldout)} held-out task(s) x {config.heldout_samples} (SFT, last round), x "
+        f"{config.other_heldout_samples} (other stages); --max-len {config.trace_tokens}",
         highlight=False,
     )
     runtime = choose_runtime(loop, config.runtime, unavailable)
@@ -763,11 +774,12 @@ def demo(config: Args) -> int:
                     loop.done(f"train {stage}", t0, [adapters / stage], [command_line(grpo)])
                 load_adapter(server.url, stage, adapters / stage)
             name = model.name if stage == "base" else stage
+            heldout_samples = config.heldout_samples_at(stage)
             stages.run(
                 server,
                 stage,
                 name,
-                {stage: (config.tasks, config.samples), f"{stage}-heldout": (config.heldout, config.heldout_samples)},
+                {stage: (config.tasks, config.samples), f"{stage}-heldout": (config.heldout, heldout_samples)},
                 f"stage {stage}",
             )
             previous = stage

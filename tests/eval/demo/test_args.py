@@ -32,12 +32,20 @@ def test_by_default_it_teaches_and_trains_on_the_training_split_and_measures_the
     assert {taskgen.instance_split(i) for i in teach | tasks} == {"train"}
     assert {taskgen.instance_split(i) for i in heldout} == {"heldout"}
     assert len(Args(heldout_sessions=64, heldout_samples=2).heldout) == 32
+    # Power where the gain is compared: 64 tasks x 5 at SFT and the last round, one sample a task elsewhere.
+    assert [(s, args.heldout_samples_at(s)) for s in ("base", "sft", "grpo1", "grpo2")] == [
+        ("base", 1),
+        ("sft", 5),
+        ("grpo1", 1),
+        ("grpo2", 5),
+    ]
+    assert Args(rounds=0).heldout_samples_at("sft") == 5 and Args(rounds=3).heldout_samples_at("grpo2") == 1
 
 
 def test_a_generated_training_task_cannot_be_held_out():
     unused = taskgen.generate(0)["train"][100]["instance_id"]  # neither taught nor trained on by default
     with pytest.raises(ValueError, match=r"--heldout polar-gen__.*: a generated task of the other split"):
-        Args(heldout=(unused,))
+        Args(heldout=(unused,), groups=None)  # with a pool (--groups), the overlap is refused first
 
 
 def test_max_len_follows_the_harness_unless_given():

@@ -30,7 +30,7 @@ from tests.captures import v1_lines
 
 ROOT = Path(__file__).resolve().parents[3]
 TASK, HELDOUT, TEACH = "polar-toy__retries-1", "polar-toy__units-1", "polar-toy__greeting-1"
-SAMPLES, HELDOUT_SAMPLES = 4, 2
+SAMPLES, HELDOUT_SAMPLES, OTHER_HELDOUT_SAMPLES = 4, 2, 1  # held-out: SFT and grpo1, base
 FIX = [
     {
         "content": None,
@@ -67,6 +67,12 @@ def demo_command(model: Path, tmp: Path) -> list[str]:
         str(SAMPLES),
         "--heldout-samples",
         str(HELDOUT_SAMPLES),
+        "--other-heldout-samples",
+        str(OTHER_HELDOUT_SAMPLES),
+        "--groups",  # dynamic sampling, as by default: the first batch (FIX on two of four samples) is enough
+        "1",
+        "--pool",
+        TASK,
         "--rounds",
         "1",
         "--sft-steps",
@@ -149,9 +155,10 @@ def test_demo_writes_the_run_folder_and_its_summary_agrees_with_the_files(demo_r
         assert {r["request"]["model"] for r in captured} == {model} == set(sessions["model"])
         resolved = rewards.filter(pl.col("resolved")).sort("sample_id")["sample_id"].to_list()
         assert resolved == [0, 2] and numbers["pass_rate"] == 0.5 and numbers["ci95"][0] < 0.5 < numbers["ci95"][1]
-        assert numbers["heldout"]["graded"] == HELDOUT_SAMPLES and numbers["heldout"]["resolved"] == 0
+        heldout_samples = OTHER_HELDOUT_SAMPLES if stage == "base" else HELDOUT_SAMPLES
+        assert numbers["heldout"]["graded"] == heldout_samples and numbers["heldout"]["resolved"] == 0
         # The held-out sessions are reconstructed too: their stats stand apart from the trained tasks'.
-        assert numbers["heldout"]["calls_captured"] == numbers["heldout"]["traces"] == HELDOUT_SAMPLES  # GIVE_UP
+        assert numbers["heldout"]["calls_captured"] == numbers["heldout"]["traces"] == heldout_samples  # GIVE_UP
         assert 0 < numbers["heldout"]["prompt_tokens_mean"] <= numbers["heldout"]["prompt_tokens_max"]
         assert dict(zip(traces["session_id"], traces["reward"], strict=True)) == dict(
             zip(rewards["session_id"], rewards["reward"], strict=True)

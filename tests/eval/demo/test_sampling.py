@@ -83,8 +83,8 @@ def test_the_draw_limit_stops_a_round_short_of_its_groups():
 
 
 def test_the_demo_draws_from_the_training_tasks_sft_did_not_see():
-    assert Args().groups is None and Args().pool == ()  # off by default
-    args = Args(groups=16)
+    assert Args(groups=None).pool == ()  # off: no pool
+    args = Args()  # on by default: --groups 8
     train = {t["instance_id"] for t in taskgen.generate(0)["train"]}
     assert set(args.pool) == train - set(args.teach) and set(args.tasks) <= set(args.pool)
     with pytest.raises(ValueError, match="--max-draws must be >= 1"):
