@@ -30,6 +30,7 @@ import hashlib
 import re
 import secrets
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -317,8 +318,9 @@ def _mounts(harness: str) -> list[Path]:
     return [MINI] if harness == "mini" else []
 
 
-def run_all(jobs: list[Job], args: Args, work_root: Path, logs: Path) -> list[dict[str, Any]]:
-    """Every job, ``args.concurrency`` at a time, with a live count; rows in job order."""
+def run_all(jobs: list[Job], args: Args, work_root: Path, logs: Path, stop: threading.Event) -> list[dict[str, Any]]:
+    """Every job, ``args.concurrency`` at a time, with a live count; rows in job order. Once ``stop`` is set (by
+    the caller on SIGTERM, here on Ctrl-C or an error) no further job starts."""
     rows: list[dict[str, Any] | None] = [None] * len(jobs)
     lock = threading.Lock()
     running = failed = 0
@@ -328,6 +330,8 @@ def run_all(jobs: list[Job], args: Args, work_root: Path, logs: Path) -> list[di
 
         def one(i: int) -> None:
             nonlocal running, failed
+            if stop.is_set():
+                return
             with lock:
                 running += 1
                 progress.update(bar, description=f"{args.harness}: running {running}, failed {failed}")
@@ -339,8 +343,13 @@ def run_all(jobs: list[Job], args: Args, work_root: Path, logs: Path) -> list[di
                 progress.update(bar, advance=1, description=f"{args.harness}: running {running}, failed {failed}")
 
         with ThreadPoolExecutor(max_workers=args.concurrency, thread_name_prefix="rollout") as pool:
-            for future in [pool.submit(one, i) for i in range(len(jobs))]:
-                future.result()  # roll_out never raises; this surfaces a bug in the bookkeeping itself
+            futures = [pool.submit(one, i) for i in range(len(jobs))]
+            try:
+                for future in futures:
+                    future.result()  # roll_out never raises; this surfaces a bug in the bookkeeping itself
+            except BaseException:  # stopped (SIGTERM, Ctrl-C): no new session starts, the running ones end
+                stop.set()
+                raise
     return [row for row in rows if row is not None]
 
 
@@ -393,16 +402,32 @@ def main(args: Args) -> int:
     # Unless kept, outside the run folder: harnesses read instruction files (CLAUDE.md, AGENTS.md) from parent folders.
     work_root = run_dir / "workspaces" if args.keep_workspaces else Path(tempfile.mkdtemp(prefix="polar-rollout-"))
     started = time.monotonic()
+
+    stop = threading.Event()
+
+    def terminate(signum: int, frame: Any) -> None:
+        # Stopped from outside (the demo stops a phase with SIGTERM): no queued session starts, the run's containers
+        # go, which ends their sessions at once, then the finally below runs as on Ctrl-C. Python's default would
+        # exit at once and leave every container running.
+        stop.set()
+        if args.runtime == "docker" and args.ray is None:
+            remove_run(run_tag)
+        raise SystemExit(128 + signum)
+
+    in_main = threading.current_thread() is threading.main_thread()  # only the main thread may set a handler
+    previous = signal.signal(signal.SIGTERM, terminate) if in_main else None
     try:
         if args.ray is not None:
             rows = _on_ray(jobs, args, run_dir, run_tag)
         else:
-            rows = run_all(jobs, args, work_root, run_dir / LOGS)
+            rows = run_all(jobs, args, work_root, run_dir / LOGS, stop)
     finally:
         if not args.keep_workspaces:
             shutil.rmtree(work_root, ignore_errors=True)
         if args.runtime == "docker" and args.ray is None and (left := remove_run(run_tag)):
             console.print(f"removed {left} container(s) this run left behind")
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     sessions = write_sessions(pl.DataFrame(rows, schema=SESSIONS_SCHEMA), run_dir)
 
     table = Table(title=f"{args.harness}: {len(jobs)} sessions in {time.monotonic() - started:.0f} s")

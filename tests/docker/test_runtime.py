@@ -12,10 +12,12 @@ import json
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -284,3 +286,41 @@ def test_kept_workspaces_under_a_long_run_folder(teacher, family_images, tmp_pat
     assert changed.stdout.strip(), "the kept workspace holds the agent's edit"
     assert {p.stat().st_uid for p in repo.rglob("*")} == {os.getuid()}
     assert containers_left(sessions) == []
+
+
+def test_a_rollout_stopped_with_sigterm_removes_its_containers_and_starts_no_more(
+    family_images, tiny_model_dir, tmp_path
+):
+    """SIGTERM (how the demo stops a phase, and what `kill` and `timeout` send) to the rollout process alone, while
+    every session sleeps in its container: the containers go, the queued sessions never start, and it exits 143
+    without waiting for the sleeps."""
+    script = [{"content": None, "tool_calls": [{"name": "bash", "arguments": {"command": "sleep 600"}}]}]
+    save_tasks(family_images, tmp_path / "tasks.jsonl")
+    secret = new_secret_file(tmp_path / "secret")
+    (tmp_path / "proxy").mkdir()
+    out = tmp_path / "stopped-run"
+
+    def ours() -> list[str]:  # this run's containers: its label is the run folder's name and a nonce
+        listed = docker("ps", "-a", "--filter", "label=polar.run", "--format", '{{.Label "polar.run"}}')
+        return [tag for tag in listed.stdout.decode().split() if tag.startswith(f"{out.name}-")]
+
+    with scripted_proxy(tiny_model_dir, script, tmp_path / "proxy", secret_file=secret) as proxy:
+        cmd = [sys.executable, "-m", "eval", "rollout", "--tasks", str(tmp_path / "tasks.jsonl"), "--harness", "mini"]
+        cmd += ["--proxy", proxy.url, "--out", str(out), "--runtime", "docker", "--session-secret", str(secret)]
+        cmd += ["--samples", "4", "--concurrency", "3", "--timeout", "600"]  # 12 sessions, 3 at a time
+        log = open(tmp_path / "rollout.log", "wb")  # noqa: SIM115 (closed below)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 300
+            while len(read_records(proxy.captures)) < 3:  # every running session has asked for its sleep
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "rollout.log").read_text()
+                time.sleep(0.2)
+            assert len(ours()) == 3
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=120) == 128 + signal.SIGTERM, (tmp_path / "rollout.log").read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            log.close()
+        assert ours() == []
+        assert len(read_records(proxy.captures)) == 3  # no queued session started after the stop
