@@ -39,14 +39,15 @@ $(VLLM_STAMP):
 # make demo RUNTIME=docker|local (default auto: each session in its task's container where a Docker daemon answers).
 # make demo GROUPS=16 MAX_DRAWS=64: each GRPO round draws until 16 groups have mixed rewards (default 8 of at most 32
 # tasks drawn; GROUPS=None turns dynamic sampling off). HELDOUT=320 is 64 held-out tasks x 5 samples at SFT and the
-# last round (docs/demo.md: the paired test's power).
+# last round (docs/demo.md: the paired test's power); HELDOUT=64 HELDOUT_SAMPLES=2 is 32 tasks x 2.
 DEMO_FLAGS = $(if $(MODEL),--model $(MODEL)) $(if $(HARNESS),--harness $(HARNESS)) $(if $(TASKS),--tasks $(TASKS)) \
 	$(if $(SAMPLES),--samples $(SAMPLES)) $(if $(ROUNDS),--rounds $(ROUNDS)) $(if $(MAX_TOKENS),--max-tokens $(MAX_TOKENS)) \
 	$(if $(THREADS),--threads $(THREADS)) $(if $(SEED),--seed $(SEED)) $(if $(UPSTREAM),--upstream $(UPSTREAM)) \
 	$(if $(TEACH),--teach-count $(TEACH)) $(if $(GRPO_TASKS),--grpo-task-count $(GRPO_TASKS)) \
 	$(if $(HELDOUT),--heldout-sessions $(HELDOUT)) $(if $(MAX_LEN),--max-len $(MAX_LEN)) \
 	$(if $(SFT_STEPS),--sft-steps $(SFT_STEPS)) $(if $(SCALE_BY_STD),--scale-by-std) $(if $(REUSE),--reuse $(REUSE)) \
-	$(if $(RUNTIME),--runtime $(RUNTIME)) $(if $(GROUPS),--groups $(GROUPS)) $(if $(MAX_DRAWS),--max-draws $(MAX_DRAWS))
+	$(if $(RUNTIME),--runtime $(RUNTIME)) $(if $(GROUPS),--groups $(GROUPS)) $(if $(MAX_DRAWS),--max-draws $(MAX_DRAWS)) \
+	$(if $(HELDOUT_SAMPLES),--heldout-samples $(HELDOUT_SAMPLES))
 
 demo: $(STAMP) $(if $(filter vllm,$(UPSTREAM)),$(VLLM_STAMP))
 	$(BIN)/python -m eval demo $(DEMO_FLAGS)
