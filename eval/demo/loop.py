@@ -95,8 +95,9 @@ else:
 
 @dataclasses.dataclass
 class Args:
-    """Teach, then GRPO rounds, each measured. With SmolLM2-135M on a quiet 2-core box the defaults take about 45
-    minutes: SFT about 11, each of the five stages 4-7 (docs/demo.md, "Measured so far")."""
+    """Teach, then GRPO rounds, each measured. With SmolLM2-135M on a 2-core box the defaults took 94 and 104 min
+    (seeds 0 and 1; about 55 projected from a quiet day's phases): SFT 20-21 min, the SFT and last stages 21-23
+    each, the held-out split's 320 sessions most of them (docs/demo.md, "Measured so far")."""
 
     # ---- model, harness, tasks
     model: Path | None = None
