@@ -402,7 +402,7 @@ def main(args: Args) -> int:
     # Unless kept, outside the run folder: harnesses read instruction files (CLAUDE.md, AGENTS.md) from parent folders.
     work_root = run_dir / "workspaces" if args.keep_workspaces else Path(tempfile.mkdtemp(prefix="polar-rollout-"))
     started = time.monotonic()
-
+    containers_here = args.runtime == "docker" and args.ray is None  # on Ray each node removes its own
     stop = threading.Event()
 
     def terminate(signum: int, frame: Any) -> None:
@@ -410,7 +410,7 @@ def main(args: Args) -> int:
         # go, which ends their sessions at once, then the finally below runs as on Ctrl-C. Python's default would
         # exit at once and leave every container running.
         stop.set()
-        if args.runtime == "docker" and args.ray is None:
+        if containers_here:
             remove_run(run_tag)
         raise SystemExit(128 + signum)
 
@@ -424,7 +424,7 @@ def main(args: Args) -> int:
     finally:
         if not args.keep_workspaces:
             shutil.rmtree(work_root, ignore_errors=True)
-        if args.runtime == "docker" and args.ray is None and (left := remove_run(run_tag)):
+        if containers_here and (left := remove_run(run_tag)):
             console.print(f"removed {left} container(s) this run left behind")
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
