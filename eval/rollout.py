@@ -402,7 +402,7 @@ def main(args: Args) -> int:
     # Unless kept, outside the run folder: harnesses read instruction files (CLAUDE.md, AGENTS.md) from parent folders.
     work_root = run_dir / "workspaces" if args.keep_workspaces else Path(tempfile.mkdtemp(prefix="polar-rollout-"))
     started = time.monotonic()
-    containers_here = args.runtime == "docker" and args.ray is None  # on Ray each node removes its own
+    containers_here = args.runtime == "docker" and args.ray is None  # on Ray, each session on its node removes its own
     stop = threading.Event()
 
     def terminate(signum: int, frame: Any) -> None:
