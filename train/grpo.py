@@ -127,7 +127,8 @@ class Config:
     gradient_checkpointing: bool = True
     """Recompute each decoder layer in the backward instead of keeping its activations."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Base weights' dtype; auto: bfloat16 when accelerate runs with mixed_precision bf16, else float32."""
+    """Base weights' dtype; auto: bfloat16 under accelerate's mixed_precision bf16, or on a CPU where a bf16 matmul
+    measured at start is >= 1.5x faster than fp32 (train/precision.py); else float32."""
     attn_implementation: str | None = None
     """transformers attention backend (flash_attention_2 on GPU avoids a (T, T) mask for packed rows)."""
 
@@ -281,6 +282,7 @@ def main(cfg: Config) -> None:
     check_vocabulary(policy, traces)
     batching = policy.batching
     print0(f"batching: {batching} ({policy.batching_reason})")
+    print0(f"dtype: {policy.dtype_reason}")
 
     # 3. Plan: whole task groups -> optimizer steps -> packed micro-batches per rank; optimizer, schedule
     by_session: dict[int, list[Trace]] = defaultdict(list)

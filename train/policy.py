@@ -30,6 +30,7 @@ import torch
 from train import data
 from train.data import DataError, Trace
 from train.logprobs import TokenLoss, fused_token_loss, token_logprobs
+from train.precision import choose_dtype
 from train.runtime import TrainConfigError
 
 __all__ = [
@@ -118,6 +119,7 @@ class Policy(torch.nn.Module):
         super().__init__()
         self.peft = peft_model
         self.batching, self.batching_reason = choose_batching(peft_model.get_base_model())
+        self.dtype_reason = ""  # load_policy says which dtype the weights took, and why
         self.chunk, self.temperature = cfg.logprob_chunk, cfg.temperature
         # FSDP wraps the layers the model says must not be split (its decoder layers).
         self._no_split_modules = list(getattr(peft_model.get_base_model(), "_no_split_modules", None) or [])
@@ -230,14 +232,13 @@ def _softcapped(head: torch.nn.Module, cap: float, hidden: torch.Tensor) -> torc
 
 
 def load_policy(cfg: PolicyConfig, mixed_precision: str) -> Policy:
-    """The base model (bf16 under bf16 mixed precision) with a fresh LoRA, or with --adapter made trainable."""
+    """The base model, in the dtype ``--dtype`` gives (train/precision.py: auto measures bf16 on the CPU), with a
+    fresh LoRA, or with --adapter made trainable."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and mixed_precision == "bf16")
-    base = AutoModelForCausalLM.from_pretrained(
-        cfg.model, dtype=torch.bfloat16 if bf16 else torch.float32, attn_implementation=cfg.attn_implementation
-    )
+    dtype, dtype_reason = choose_dtype(cfg.dtype, mixed_precision)
+    base = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, attn_implementation=cfg.attn_implementation)
     base.config.use_cache = False
     if cfg.gradient_checkpointing:
         base.activation_checkpointing_enable({"use_reentrant": False})
@@ -260,6 +261,7 @@ def load_policy(cfg: PolicyConfig, mixed_precision: str) -> Policy:
             peft_model = get_peft_model(base, lora)
     check_lora_targets(peft_model)
     policy = Policy(peft_model, cfg)
+    policy.dtype_reason = f"{str(dtype).removeprefix('torch.')} ({dtype_reason})"
     if cfg.share_prefix and policy.batching != "packed":
         raise TrainConfigError(
             "--share-prefix shares a prompt between traces by attention mask, which cannot work here: "

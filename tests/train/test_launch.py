@@ -31,7 +31,7 @@ def launch(config: str, processes: int, script: str, args: list[str], output: Pa
     """``accelerate launch --config_file train/configs/CONFIG`` of ``script`` in float32; its stdout."""
     cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", f"train/configs/{config}"]
     cmd += ["--num_processes", str(processes), "--num_cpu_threads_per_process", "1", "--mixed_precision", "no"]
-    cmd += ["--main_process_port", "0", script, *args, "--output", str(output)]
+    cmd += ["--main_process_port", "0", script, *args, "--dtype", "float32", "--output", str(output)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as run:
         try:
