@@ -731,7 +731,9 @@ def demo(config: Args) -> int:
             config.vllm_python, model, log=run / "logs" / "server.log", served_name=model.name, seed=config.seed
         )
     else:
-        server = ReferenceServer(model, log=run / "logs" / "server.log", script=config.script, seed=config.seed)
+        server = ReferenceServer(
+            model, log=run / "logs" / "server.log", script=config.script, seed=config.seed, dtype="auto"
+        )
     with server:
         console.print(f"[dim]{server.url} serving {shown(model)}, log {shown(server.log)}[/]", highlight=False)
         previous = None

@@ -456,15 +456,27 @@ class Engine:
     """The model, driven by one scheduler thread that batches the decode steps of all running requests, and the
     tokenizer, which request threads use behind a lock."""
 
-    def __init__(self, model_dir: Path, seed: int, max_batch: int = 32, prefix_cache_tokens: int = 65536) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        seed: int,
+        max_batch: int = 32,
+        prefix_cache_tokens: int = 65536,
+        dtype: str = "float32",
+    ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.cache_utils import get_layer_types_and_kwargs
+
+        from train.precision import choose_dtype
 
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, not {max_batch}")
         # Any: transformers types its Auto classes' results loosely, and the model becomes a PeftModel with adapters.
         self.tokenizer: Any = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        self.model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+        # auto: bf16 where this CPU runs it >= 1.5x faster (train/precision.py, the trainer's rule); log-probs and
+        # sampling stay fp32 either way (the logits are cast before the softmax).
+        weights_dtype, self.dtype_reason = choose_dtype(dtype, cuda=False)
+        self.model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=weights_dtype, local_files_only=True)
         self.model.eval()  # type: ignore[no-untyped-call]
         head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]
         if type(head) is torch.nn.Linear and head.bias is None:  # train/grpo.py's adapters leave it out, as vLLM's do
@@ -504,7 +516,7 @@ class Engine:
         atexit.register(self._stop)
         print(
             f"engine: {torch.get_num_threads()} torch threads, up to {max_batch} requests per batch, prefix cache "
-            f"{prefix_cache_tokens} tokens",
+            f"{prefix_cache_tokens} tokens, {str(weights_dtype).removeprefix('torch.')} weights ({self.dtype_reason})",
             file=sys.stderr,
             flush=True,
         )

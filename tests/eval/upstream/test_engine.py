@@ -52,3 +52,20 @@ def test_top_logprobs_minus_one_is_the_whole_vocabulary(engine):
     assert len(top) == engine.model.config.vocab_size
     assert top[0]["logprob"] == piece.logprob["logprob"]  # greedy picks the best token
     assert abs(sum(torch.tensor([t["logprob"] for t in top]).exp().tolist()) - 1) < 1e-4
+
+
+def test_bf16_weights_serve_fp32_log_probs_near_the_fp32_ones(tiny_model_dir, engine):
+    # What --dtype bfloat16 (or auto on a CPU with bf16 units) changes: the weights' rounding, not the log-prob's
+    # dtype. The gap to fp32 is what the trainer's truncated importance sampling absorbs (docs/training.md).
+    bf16 = Engine(tiny_model_dir, seed=0, dtype="bfloat16")
+    assert next(bf16.model.parameters()).dtype is torch.bfloat16 and bf16.dtype_reason == "--dtype bfloat16"
+    prompt = engine.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    forced = engine.encode("one two three four<|im_end|>")
+    logps = {}
+    for name, e in (("fp32", engine), ("bf16", bf16)):
+        logps[name] = torch.tensor(
+            [p.logprob["logprob"] for p in generate(e, prompt, Sampling(max_tokens=10, logprobs=True), forced)]
+        )
+    assert logps["bf16"].dtype is torch.float32 and torch.isfinite(logps["bf16"]).all()
+    gap = (logps["bf16"] - logps["fp32"]).abs().max()
+    assert 0 < gap < 0.1  # bf16 rounds (so it did run in bf16), and stays close
