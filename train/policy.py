@@ -27,7 +27,7 @@ from typing import Any, Literal, Protocol, TypedDict
 
 import torch
 
-from train import data
+from train import attention, data
 from train.data import DataError, Trace
 from train.logprobs import TokenLoss, fused_token_loss, token_logprobs
 from train.precision import choose_dtype
@@ -93,7 +93,7 @@ def check_policy_config(cfg: PolicyConfig) -> None:
             raise TrainConfigError(f"--{name.replace('_', '-')} must be >= 1")
     if cfg.max_len > cfg.micro_batch_tokens:
         raise TrainConfigError(f"--max-len {cfg.max_len} must fit --micro-batch-tokens {cfg.micro_batch_tokens}")
-    if cfg.share_prefix and cfg.attn_implementation not in (None, "sdpa", "eager"):
+    if cfg.share_prefix and cfg.attn_implementation not in (None, "sdpa", "eager"):  # None: train/attention.py
         raise TrainConfigError(
             f"--share-prefix needs --attn-implementation sdpa or eager (a 4D attention mask), "
             f"not {cfg.attn_implementation}"
@@ -148,6 +148,8 @@ class Policy(torch.nn.Module):
             head = functools.partial(_softcapped, lm_head, cap)
         opts = _Chunking(chunk=self.chunk, temperature=self.temperature, with_entropy=with_entropy)
         bounds = _trace_bounds(position_ids) if self.batching == "varlen" else {}
+        if base.config._attn_implementation == attention.NAME and self.batching != "padded" and mask is None:
+            bounds["trace_spans"] = attention.trace_spans(position_ids)
         with self.peft.disable_adapter() if reference else contextlib.nullcontext():
             out = base.get_decoder()(
                 input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False, **bounds
@@ -238,7 +240,9 @@ def load_policy(cfg: PolicyConfig, mixed_precision: str) -> Policy:
     from transformers import AutoModelForCausalLM
 
     dtype, dtype_reason = choose_dtype(cfg.dtype, mixed_precision)
-    base = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, attn_implementation=cfg.attn_implementation)
+    # Unset, the trainer's own backend: each packed trace attends within its bounds, with no (T, T) mask.
+    backend = cfg.attn_implementation or attention.register()
+    base = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, attn_implementation=backend)
     base.config.use_cache = False
     if cfg.gradient_checkpointing:
         base.activation_checkpointing_enable({"use_reentrant": False})

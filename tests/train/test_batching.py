@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.train.helpers import groups, trace, write
-from train import data, grpo, losses, sft
+from train import attention, data, grpo, losses, sft
 from train.data import Trace
 from train.policy import _trace_bounds, load_policy
 from train.runtime import TrainConfigError
@@ -240,3 +240,27 @@ def test_all_linear_on_qwen35_adapts_both_layer_kinds_and_unloadable_targets_fai
     ]:
         with pytest.raises((TrainConfigError, ValueError), match=message):
             load_policy(config(tmp_path, model_dir, lora_targets=targets, lora_r=rank), "no")
+
+
+@pytest.mark.parametrize("model_dir", ["qwen3", "llama"], indirect=True)
+def test_packed_traces_attend_within_their_bounds_without_a_row_sized_mask(tmp_path, model_dir, monkeypatch):
+    # transformers' sdpa backend keeps packed traces apart with a (T, T) block-diagonal mask (SDPA's dense path,
+    # (T, T) scores at every layer); the trainer's backend runs one causal SDPA per trace instead.
+    policy = load(tmp_path, model_dir)
+    assert policy.peft.get_base_model().config._attn_implementation == attention.NAME
+    calls: list[tuple[int, int, bool]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(query, key, value, attn_mask=None, **kwargs):
+        calls.append((query.shape[-2], key.shape[-2], attn_mask is not None))
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    traces = make_traces()
+    (mb,) = micro_batches(traces, 512, share_prefix=False, padded=False)
+    policy(mb.input_ids, mb.position_ids, mb.sel, mb.targets)
+    longest = max(len(t.tokens) for t in traces)
+    layers = policy.peft.get_base_model().config.num_hidden_layers
+    assert len(calls) == layers * len(traces)  # one causal attention per trace and layer
+    assert all(q == k <= longest and not masked for q, k, masked in calls), calls
+    assert sorted({q for q, _, _ in calls}) == sorted(len(t.tokens) for t in traces)
