@@ -231,6 +231,7 @@ def generate(tiny_model_dir: Path, tmp: Path) -> Captures:
     port = free_port()
     serve = [sys.executable, "-m", "eval", "serve", "--model", str(tiny_model_dir), "--port", str(port)]
     serve += ["--host", "127.0.0.1", "--script", str(tmp / "script.json")]
+    serve += ["--dtype", "float32"]  # the audits below compare served log-probs with an fp32 model to 1e-3
     upstream = f"http://127.0.0.1:{port}"
     with ThreadPoolExecutor(3) as pool:
         starting = [
