@@ -55,7 +55,7 @@ def span_attention(
     if key.shape[1] != query.shape[1]:  # grouped-query attention: each key/value head serves several query heads
         repeats = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(repeats, 1), value.repeat_interleave(repeats, 1)
-    sdpa = {"dropout_p": dropout, "scale": scaling}
+    sdpa: dict[str, Any] = {"dropout_p": dropout, "scale": scaling}
     if attention_mask is not None:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, **sdpa)
     else:
