@@ -27,6 +27,13 @@ Run:  .venv/bin/python -m tests.bench.train [--quick] [--out tests/bench/results
    vectors: about 2 x 4H a token; a (T, V) tensor would add 4V, 3880 x 4H here). The rest of the peak is the
    (chunk, V) blocks of one chunk's work, the same at any T.
 
+4. Packed attention and dtype. A random Llama of SmolLM2-135M's shape (hidden 576, 9 heads, 3 KV heads, MLP 1536,
+   vocabulary 49152) cut to 4 layers, one packed row of two 1,800-token traces, forward + backward of the decoder:
+   transformers' sdpa backend (a (T, T) block-diagonal mask from the restarting positions) against the trainer's
+   span backend (train/attention.py: one causal SDPA per trace), each in fp32 and bf16; wall time, best of the
+   rounds, on the CPU named in the notes. Info rows, no target: whether bf16 pays is the machine's to say
+   (train/precision.py decides it at start).
+
 Numbers are CPU numbers on whatever else the machine is doing; compare ratios. What needs a GPU: bf16 and
 flash-attention speed, a whole 32k-token micro-batch against device memory, and multi-GPU (DDP/FSDP/DeepSpeed)
 scaling. Exit status 0 when everything ran (a MISS is a result, not a failure).
@@ -54,6 +61,7 @@ import tyro
 from rich.console import Console
 
 from tests.bench import report
+from train.precision import cpu_name
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED_VOCAB = 248320  # Qwen3.5's vocabulary
@@ -266,6 +274,42 @@ def seed_vocab_memory(cfg: Config, console: Console) -> dict[str, object]:
     return memory_runs(("fused",), sizes, hidden=64, vocab=SEED_VOCAB, chunk=512, console=console)
 
 
+# ---- 4. packed attention and dtype
+
+
+def attention_benchmark(cfg: Config, console: Console) -> dict[str, object]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from train import attention
+
+    attention.register()
+    torch.set_num_threads(max(cfg.threads, torch.get_num_threads()))
+    rounds = 2 if cfg.quick else 3
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=9,
+        num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True,
+    )  # fmt: skip
+    ids = torch.randint(0, config.vocab_size, (1, 3600))
+    positions = torch.cat([torch.arange(1800)] * 2)[None]  # (1, T): two traces
+    seconds: dict[str, float] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = LlamaForCausalLM(config).to(dtype)
+        for backend in ("sdpa", attention.NAME):
+            model.config._attn_implementation = backend
+            spans = {"trace_spans": attention.trace_spans(positions)} if backend == attention.NAME else {}
+            times = []
+            for _ in range(rounds + 1):  # the first is a warm-up
+                t0 = time.perf_counter()
+                hidden = model.model(input_ids=ids, position_ids=positions, **spans).last_hidden_state
+                hidden.float().square().mean().backward()
+                times.append(time.perf_counter() - t0)
+            name = f"{str(dtype).removeprefix('torch.')} {backend}"
+            seconds[name] = min(times[1:])
+            console.print(f"  {name}: {seconds[name]:.2f} s")
+    return {"tokens": 3600, "traces": 2, "layers": 4, "threads": torch.get_num_threads(), "best_s": seconds}
+
+
 # ---- report
 
 
@@ -318,7 +362,11 @@ def evaluate(step: dict[str, object], memory: dict[str, object]) -> list[dict[st
 
 
 def tables(
-    step: dict[str, object], memory: dict[str, object], seed: dict[str, object], verdicts: list[dict[str, object]]
+    step: dict[str, object],
+    memory: dict[str, object],
+    seed: dict[str, object],
+    verdicts: list[dict[str, object]],
+    attn: dict[str, object],
 ) -> list[tuple]:
     labels = {
         "plain": "plain forward+backward (full logits, CE)",
@@ -354,11 +402,15 @@ def tables(
         for r in seed["rows"]
     ]  # fmt: skip
     v = [[str(r["name"]), f"{r['value']:.3g}{r['unit']}", str(r["limit"]), str(r["result"])] for r in verdicts]
+    best = attn["best_s"]
+    base = best["float32 sdpa"]
+    a = [[name, f"{t:.2f}", f"{base / t:.2f}x"] for name, t in best.items()]
     return [
         (["step", "best CPU s", "median CPU s", "tokens/s (best)", "vs plain (best)", "vs plain (median)"], s),
         (["tokens", "fused (chunk 512) peak MiB", "full-logits peak MiB", "one T x V fp32 tensor MiB"], m),
         (["tokens (vocab 248,320)", "fused (chunk 512) peak MiB", "s", "one T x V fp32 tensor MiB"], sv),
         (["target", "measured", "limit", "result"], v),
+        (["packed 2 x 1800, fwd+bwd (dtype, attention)", "best wall s", "speed vs fp32 sdpa"], a),
     ]
 
 
@@ -369,7 +421,8 @@ def notes(
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     return [
         (
-            f"{when}, {'quick' if cfg.quick else 'full'} run ({elapsed:.0f} s), {platform.machine()} with {cpus} CPUs "
+            f"{when}, {'quick' if cfg.quick else 'full'} run ({elapsed:.0f} s), {cpu_name()} ({platform.machine()}) "
+            f"with {cpus} CPUs "
             f"(shared); Python {platform.python_version()}, torch {torch.__version__}, transformers "
             f"{version('transformers')}, peft {version('peft')}; {step['threads']} torch thread(s) for the steps."
         ),
@@ -405,11 +458,13 @@ def main(cfg: Config) -> int:
     memory = memory_benchmark(cfg, console)
     console.print(f"[bold]3. fused log-prob memory at the seed's vocabulary ({SEED_VOCAB:,})[/]")
     seed = seed_vocab_memory(cfg, console)
+    console.print("[bold]4. packed attention (span backend vs sdpa mask), fp32 and bf16[/]")
+    attn = attention_benchmark(cfg, console)
     verdicts = evaluate(step, memory) + seed_vocab_targets(seed)
     note_lines = notes(cfg, step, memory, seed, time.monotonic() - t0)
     out = cfg.out if cfg.out.is_absolute() else ROOT / cfg.out
-    data = {"step": step, "memory": memory, "seed_vocab_memory": seed, "targets": verdicts}
-    report.write_results(console, out, cfg, tables(step, memory, seed, verdicts), note_lines, data)
+    data = {"step": step, "memory": memory, "seed_vocab_memory": seed, "attention": attn, "targets": verdicts}
+    report.write_results(console, out, cfg, tables(step, memory, seed, verdicts, attn), note_lines, data)
     console.print(f"wrote {out} and {out.with_suffix('.json')} in {time.monotonic() - t0:.0f} s")
     return 0
 
