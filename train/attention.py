@@ -6,6 +6,7 @@ the (T, T) scores exist in memory at every layer. Registered under ``NAME`` (``-
 transformers builds no mask at all for this backend, and the policy passes each trace's ``(start, end)`` in the row
 as ``trace_spans``: one causal SDPA per trace, which takes SDPA's fused path.
 
+Attention logit soft-capping (Gemma 2) is not applied here: load_policy refuses such a model on this backend.
 A 4D mask given explicitly (``--share-prefix``'s, train/data.py) is applied as given.
 """
 
@@ -50,8 +51,6 @@ def span_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: (B, H, L, D) queries, (B, H_kv, L, D) keys and values -> (B, L, H, D)."""
-    if getattr(module.config, "attn_logit_softcapping", None):
-        raise NotImplementedError(f"{NAME}: attention logit soft-capping; pass --attn-implementation eager")
     if key.shape[1] != query.shape[1]:  # grouped-query attention: each key/value head serves several query heads
         repeats = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(repeats, 1), value.repeat_interleave(repeats, 1)

@@ -243,6 +243,11 @@ def load_policy(cfg: PolicyConfig, mixed_precision: str) -> Policy:
     # Unset, the trainer's own backend: each packed trace attends within its bounds, with no (T, T) mask.
     backend = cfg.attn_implementation or attention.register()
     base = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, attn_implementation=backend)
+    if backend == attention.NAME and getattr(base.config.get_text_config(), "attn_logit_softcapping", None):
+        raise TrainConfigError(
+            f"{cfg.model}: attention logit soft-capping, which the trainer's attention does not apply; "
+            "pass --attn-implementation eager"
+        )
     base.config.use_cache = False
     if cfg.gradient_checkpointing:
         base.activation_checkpointing_enable({"use_reentrant": False})

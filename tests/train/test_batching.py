@@ -264,3 +264,21 @@ def test_packed_traces_attend_within_their_bounds_without_a_row_sized_mask(tmp_p
     assert len(calls) == layers * len(traces)  # one causal attention per trace and layer
     assert all(q == k <= longest and not masked for q, k, masked in calls), calls
     assert sorted({q for q, _, _ in calls}) == sorted(len(t.tokens) for t in traces)
+
+
+def test_attention_soft_capping_is_refused_on_the_trainers_attention(tmp_path):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    gemma = Gemma2Config(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        attn_logit_softcapping=50.0,
+    )
+    Gemma2ForCausalLM(gemma).save_pretrained(tmp_path / "gemma2")
+    with pytest.raises(TrainConfigError, match=r"soft-capping.*--attn-implementation eager"):
+        load_policy(config(tmp_path, str(tmp_path / "gemma2")), "no")
