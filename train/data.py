@@ -13,8 +13,10 @@ never reads the padding after a token), as many rows as fit the same token budge
 (``pad_bins``, ``collate_padded``). The policy (train/policy.py) says which a model needs.
 
 With ``share_prefix``, traces that begin with the same tokens (the samples of one task start from one prompt)
-are packed as one *family*: the shared prefix once, then each trace's own tail, which attends to the prefix and
-to itself only (``MicroBatch.family``/``member`` give the mask, ``attention_mask`` builds it). The log-probs are
+form a *family* (``families``): its shared prefix computed once, then each trace's own tail, in right-padded rows
+that continue from the prefix (train/prefix.py; ``MicroBatch.prefix``). Tails that do not fit one micro-batch go
+in chunks, consecutive micro-batches of one rank (``collate_family``). A family is shared only where that computes
+fewer tokens, padding counted, than its traces alone; the others are packed or padded as above. The log-probs are
 those of separate rows up to float noise, for a fraction of the compute when prompts are most of each trace.
 """
 
@@ -31,15 +33,16 @@ import torch
 
 from reconstruct import schema
 from train.losses import Aggregation, truncate
+from train.prefix import SharedPrefix
 
 __all__ = [
     "DataError",
     "MicroBatch",
     "Rollout",
     "Trace",
-    "attention_mask",
     "balance",
     "collate",
+    "collate_family",
     "collate_padded",
     "families",
     "load",
@@ -86,18 +89,19 @@ class Trace:
 @dataclasses.dataclass
 class MicroBatch:
     """The traces of one forward pass: packed, B = 1 row of T tokens, or padded, B rows of one trace each, right-
-    padded to T. N tokens are trained."""
+    padded to T, or a shared-prefix family's tails (``prefix``), B rows right-padded. N tokens are trained."""
 
     input_ids: torch.Tensor  # (B, T)
-    position_ids: torch.Tensor  # (B, T): restart at 0 at each trace (padding continues its row's count)
-    sel: torch.Tensor  # (N,) positions, in the flattened (B * T) rows, whose *next* token is trained
+    position_ids: torch.Tensor  # (B, T): restart at 0 at each trace (padding continues its row's count); P.. on tails
+    sel: (
+        torch.Tensor
+    )  # (N,) positions whose *next* token is trained, in the flattened (B * T) rows (see collate_family)
     targets: torch.Tensor  # (N,) those next tokens
     adv: torch.Tensor  # (N,) advantage of the token's session
     weight: torch.Tensor  # (N,) the token's weight in the step's loss (sums to the loss normaliser)
     behav_logp: torch.Tensor  # (N,) captured log-probs; NaN where not captured
     session: torch.Tensor  # (N,) session index, for metrics
-    family: torch.Tensor | None = None  # (T,) shared-prefix packing: the family of each token
-    member: torch.Tensor | None = None  # (T,) its trace within the family; -1 on the family's shared prefix
+    prefix: SharedPrefix | None = None  # the rows are tails of this shared-prefix family (train/prefix.py)
 
     def to(self, device: torch.device) -> MicroBatch:
         moved: dict[str, Any] = {
@@ -105,16 +109,10 @@ class MicroBatch:
         }
         return dataclasses.replace(self, **moved)
 
-
-def attention_mask(family: torch.Tensor, member: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The (1, 1, T, T) additive mask of a shared-prefix micro-batch (``MicroBatch.family``/``member``): a token
-    attends to earlier tokens of its family's prefix and of its own trace. Plain packing needs none: restarting
-    position ids tell the model where traces start."""
-    t = torch.arange(family.shape[0], device=family.device)
-    same_trace = (member[:, None] == member[None, :]) | (member[None, :] == -1)
-    allowed = (t[:, None] >= t[None, :]) & (family[:, None] == family[None, :]) & same_trace  # (T, T)
-    zero = torch.zeros((), dtype=dtype, device=allowed.device)
-    return torch.where(allowed, zero, torch.finfo(dtype).min)[None, None]
+    def computed_tokens(self) -> int:
+        """The tokens this pass runs through the model: its rows, padding included, and a prefix it computes."""
+        first = self.prefix is not None and self.prefix.first
+        return self.input_ids.numel() + (self.prefix.input_ids.shape[1] if first and self.prefix else 0)
 
 
 def _lists(df: pl.DataFrame, column: str, dtype: type) -> list[np.ndarray]:
@@ -343,17 +341,21 @@ def pad_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return bins
 
 
-def balance(bin_tokens: Sequence[int], world: int) -> list[list[int | None]]:
-    """Bins dealt to ``world`` ranks, largest first to the least-loaded rank. Every rank gets the same count:
-    the short ones are padded with None (a pass that trains nothing), so collective calls line up across ranks."""
+def balance(costs: Sequence[int], world: int, passes: Sequence[int] | None = None) -> list[list[int | None]]:
+    """Units (a bin, or a family's chunks) dealt to ``world`` ranks, costliest first to the least-loaded rank. A
+    unit takes ``passes[u]`` forward passes (one by default), all on its rank, in order. Every rank runs the same
+    number of passes: the short ones are padded with None (a pass that trains nothing), so collective calls line up
+    across ranks."""
+    n_passes = list(passes) if passes is not None else [1] * len(costs)
     ranks: list[list[int | None]] = [[] for _ in range(world)]
-    load = [0] * world
-    for b in sorted(range(len(bin_tokens)), key=lambda b: (-bin_tokens[b], b)):
-        r = min(range(world), key=lambda r: (load[r], len(ranks[r]), r))
-        ranks[r].append(b)
-        load[r] += bin_tokens[b]
-    n = max(len(r) for r in ranks)
-    return [r + [None] * (n - len(r)) for r in ranks]
+    load, count = [0] * world, [0] * world
+    for u in sorted(range(len(costs)), key=lambda u: (-costs[u], u)):
+        r = min(range(world), key=lambda r: (load[r], count[r], r))
+        ranks[r].append(u)
+        load[r] += costs[u]
+        count[r] += n_passes[u]
+    n = max(count)
+    return [ranks[r] + [None] * (n - count[r]) for r in range(world)]
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -363,23 +365,23 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 def families(traces: Sequence[Trace], budget: int) -> list[tuple[int, list[int]]]:
-    """Traces grouped by a shared prefix: ``(prefix length, indices)`` per family, each at most ``budget`` tokens
-    packed (prefix once plus every tail). Traces in token order put shared prefixes side by side; a trace joins
-    the family before it when that saves tokens, i.e. when the family's members times the new shared length
-    exceeds its other members times the old one."""
+    """Traces grouped by a shared prefix: ``(prefix length, indices)`` per family (a lone trace is a family of one).
+    Traces in token order put shared prefixes side by side; a trace joins the family before it when that saves
+    tokens, i.e. when the family's members times the new shared length exceeds its other members times the old one.
+    A prefix leaves every member at least one token of its own; every trace fits ``budget``."""
     order = sorted(range(len(traces)), key=lambda i: (traces[i].tokens.astype(">i8").tobytes(), i))
     found: list[tuple[int, list[int]]] = []
     for i in order:
+        tokens = traces[i].tokens
+        if len(tokens) > budget:
+            raise ValueError(f"trace {i} has {len(tokens)} tokens, over the budget of {budget}")
         if found:
             shared, members = found[-1]
-            joined = min(shared, _common_prefix(traces[members[0]].tokens, traces[i].tokens))
-            tails = sum(len(traces[m].tokens) - joined for m in members) + len(traces[i].tokens) - joined
-            if joined > 0 and len(members) * joined > (len(members) - 1) * shared and joined + tails <= budget:
+            joined = min(shared, _common_prefix(traces[members[0]].tokens, tokens), len(tokens) - 1)
+            if joined > 0 and len(members) * joined > (len(members) - 1) * shared:
                 found[-1] = (joined, [*members, i])
                 continue
-        if len(traces[i].tokens) > budget:
-            raise ValueError(f"trace {i} has {len(traces[i].tokens)} tokens, over the budget of {budget}")
-        found.append((len(traces[i].tokens), [i]))
+        found.append((len(tokens) - 1, [i]))
     return found
 
 
@@ -396,36 +398,39 @@ def rank_micro_batches(
     """This rank's micro-batches of one optimizer step (the same count on every rank): the step's traces packed
     into ``budget``-token rows, dealt over ``world`` ranks. ``aggregate`` (a loss variant, losses.AGGREGATIONS)
     weighs each trace's tokens from its session and trained-token count (``norm_tokens``: dr_grpo's constant).
-    ``share_prefix`` packs families of traces that begin alike, each shared prefix once (see the module doc);
-    ``padded`` puts one trace in a row instead, up to ``budget`` tokens a micro-batch with the padding."""
-    if share_prefix and padded:
-        raise ValueError("share_prefix packs traces into one row; padded rows hold one trace each")
+    ``share_prefix`` computes each family's shared prefix once (see the module doc); ``padded`` puts one trace in a
+    row instead of packing, up to ``budget`` tokens a micro-batch with the padding. Ranks are balanced by the
+    tokens their passes compute, padding included."""
     sessions = np.array([t.session for t in step_traces])  # (M,)
     n_trained = np.array([len(t.trained) for t in step_traces])  # (M,)
     weights = aggregate(sessions, n_trained, norm_tokens)  # (M,) per-token loss weight of each trace
+    units: list[list[MicroBatch]] = []  # each unit's passes run in order on one rank
+    costs: list[int] = []
+    alone = list(range(len(step_traces)))
     if share_prefix:
-        fams = families(step_traces, budget)
-        sizes = [p + sum(len(step_traces[i].tokens) - p for i in members) for p, members in fams]
-        bins = pack(sizes, budget)
-        dealt = balance([sum(sizes[f] for f in b) for b in bins], world)[rank]
-        return [
-            collate_shared(
-                [(fams[f][0], [step_traces[i] for i in fams[f][1]]) for f in bins[b]],
-                [weights[i] for f in bins[b] for i in fams[f][1]],
+        alone = []
+        for f, (shared, members) in enumerate(families(step_traces, budget)):
+            tails = [len(step_traces[i].tokens) - shared for i in members]
+            chunks = pad_bins(tails, budget - shared)  # each pass: the prefix's keys and at most budget - P tokens
+            cost = shared + sum(len(c) * tails[c[0]] for c in chunks)
+            if len(members) < 2 or cost >= sum(len(step_traces[i].tokens) for i in members):
+                alone += members
+                continue
+            units.append(
+                collate_family(
+                    shared, [step_traces[i] for i in members], weights[members], [[*c] for c in chunks], family=f
+                )
             )
-            if b is not None
-            else collate([], [])
-            for b in dealt
-        ]
-    lengths = [len(t.tokens) for t in step_traces]
+            costs.append(cost)
+    lengths = [len(step_traces[i].tokens) for i in alone]
     bins = pad_bins(lengths, budget) if padded else pack(lengths, budget)
     batch = collate_padded if padded else collate
-    # Ranks are balanced by the tokens their passes compute, padding included.
-    cost = [len(b) * max(lengths[i] for i in b) if padded else sum(lengths[i] for i in b) for b in bins]
-    dealt = balance(cost, world)[rank]
-    return [
-        batch([step_traces[i] for i in bins[b]], weights[bins[b]]) if b is not None else collate([], []) for b in dealt
-    ]
+    for b in bins:
+        members = [alone[i] for i in b]
+        units.append([batch([step_traces[i] for i in members], weights[members])])
+        costs.append(len(b) * max(lengths[i] for i in b) if padded else sum(lengths[i] for i in b))
+    dealt = balance(costs, world, [len(u) for u in units])[rank]
+    return [mb for u in dealt for mb in (units[u] if u is not None else [collate([], [])])]
 
 
 def collate(traces: Sequence[Trace], weights: Sequence[float] | np.ndarray) -> MicroBatch:
@@ -477,39 +482,52 @@ def collate_padded(traces: Sequence[Trace], weights: Sequence[float] | np.ndarra
     )
 
 
-def collate_shared(fams: Sequence[tuple[int, Sequence[Trace]]], weights: Sequence[float]) -> MicroBatch:
-    """Pack families into one row: each family's first ``shared`` tokens once, then each member's tokens after
-    them, positions continuing from the prefix. ``weights`` follow the traces family by family."""
-    tokens, positions, family, member, sel, targets = [], [], [], [], [], []
-    start = 0
-    for f, (shared, traces) in enumerate(fams):
-        tokens.append(traces[0].tokens[:shared])
-        positions.append(np.arange(shared))
-        family.append(np.full(shared, f))
-        member.append(np.full(shared, -1))
-        tail = start + shared  # row index of the next tail's first token
-        for k, t in enumerate(traces):
-            n = len(t.tokens) - shared
-            tokens.append(t.tokens[shared:])
-            positions.append(np.arange(shared, len(t.tokens)))
-            family.append(np.full(n, f))
-            member.append(np.full(n, k))
-            # position j of the trace: in the prefix (start + j) or in its tail (tail + j - shared)
-            sel.append(np.where(t.trained < shared, start + t.trained, tail + t.trained - shared))
-            targets.append(t.tokens[t.trained + 1])
-            tail += n
-        start = tail
-    traces = [t for _, ts in fams for t in ts]
-    n_trained = [len(t.trained) for t in traces]
-    return MicroBatch(
-        input_ids=torch.from_numpy(np.concatenate(tokens))[None],  # (1, T)
-        position_ids=torch.from_numpy(np.concatenate(positions))[None],  # (1, T)
-        sel=torch.from_numpy(np.concatenate(sel)),  # (N,)
-        targets=torch.from_numpy(np.concatenate(targets)),  # (N,)
-        adv=torch.from_numpy(np.repeat([t.adv for t in traces], n_trained)).float(),  # (N,)
-        weight=torch.from_numpy(np.repeat(np.asarray(weights, dtype=np.float64), n_trained)).float(),  # (N,)
-        behav_logp=torch.from_numpy(np.concatenate([t.behav_logp for t in traces])).float(),  # (N,)
-        session=torch.from_numpy(np.repeat([t.session for t in traces], n_trained)),  # (N,)
-        family=torch.from_numpy(np.concatenate(family)),  # (T,)
-        member=torch.from_numpy(np.concatenate(member)),  # (T,)
-    )
+def collate_family(
+    shared: int,
+    traces: Sequence[Trace],
+    weights: Sequence[float] | np.ndarray,
+    chunks: Sequence[Sequence[int]],
+    family: int,
+) -> list[MicroBatch]:
+    """The micro-batches of one family whose traces begin with the same ``shared`` tokens: in each, the tails of the
+    traces ``chunks[c]`` (indices into ``traces``) as right-padded rows at positions ``shared``.. (train/prefix.py).
+    The first, which computes the prefix, also trains every member's tokens inside it: its ``sel`` addresses the
+    prefix's output, then the rows. ``weights[i]`` is the per-token loss weight of ``traces[i]``."""
+    prefix_ids = torch.from_numpy(traces[0].tokens[:shared])[None]  # (1, P)
+    out = []
+    for c, rows in enumerate(chunks):
+        first = c == 0
+        width = max(len(traces[r].tokens) - shared for r in rows)
+        tokens = np.zeros((len(rows), width), dtype=np.int64)  # (k, L)
+        offset = shared if first else 0  # the first pass's sel addresses the prefix's P positions, then the rows
+        parts: list[tuple[Trace, float, np.ndarray, np.ndarray]] = []  # (trace, weight, trained mask, sel)
+        if first:
+            parts += [
+                (t, float(w), t.trained < shared, t.trained[t.trained < shared])
+                for t, w in zip(traces, weights, strict=True)
+            ]
+        for row, r in enumerate(rows):
+            t = traces[r]
+            tokens[row, : len(t.tokens) - shared] = t.tokens[shared:]
+            own = t.trained[t.trained >= shared]
+            parts.append((t, float(weights[r]), t.trained >= shared, offset + row * width + own - shared))
+        parts = [p for p in parts if p[2].any()]
+        n = [int(p[2].sum()) for p in parts]
+        out.append(
+            MicroBatch(
+                input_ids=torch.from_numpy(tokens),  # (k, L)
+                position_ids=(shared + torch.arange(width)).expand(len(rows), width).clone(),  # (k, L)
+                sel=torch.from_numpy(np.concatenate([p[3] for p in parts] or [np.zeros(0, np.int64)])),  # (N,)
+                targets=torch.from_numpy(
+                    np.concatenate([t.tokens[t.trained[m] + 1] for t, _, m, _ in parts] or [np.zeros(0, np.int64)])
+                ),  # (N,)
+                adv=torch.from_numpy(np.repeat([p[0].adv for p in parts], n)).float(),  # (N,)
+                weight=torch.from_numpy(np.repeat(np.asarray([p[1] for p in parts], dtype=np.float64), n)).float(),
+                behav_logp=torch.from_numpy(
+                    np.concatenate([t.behav_logp[m] for t, _, m, _ in parts] or [np.zeros(0, np.float32)])
+                ).float(),  # (N,)
+                session=torch.from_numpy(np.repeat([p[0].session for p in parts], n).astype(np.int64)),  # (N,)
+                prefix=SharedPrefix(prefix_ids, family, first=first, last=c == len(chunks) - 1),
+            )
+        )
+    return out

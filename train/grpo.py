@@ -118,10 +118,10 @@ class Config:
     """Not in Polar (it packs 30k tokens per GPU): tokens per forward pass; traces are packed into one row up
     to this budget, without padding."""
     share_prefix: bool = False
-    """Not in Polar: pack the traces that begin alike (a group's samples share their first prompt) with that
-    prefix computed once, through a (T, T) attention mask per micro-batch. Same log-probs and gradients to float
-    noise; 4.5x fewer tokens per step in `make demo`, where prompts are 85 % of each trace. Needs an attention
-    backend that takes a 4D mask (sdpa, eager), and T^2 mask memory: meant for short traces."""
+    """Not in Polar: compute the prefix that traces share (a group's samples begin with one prompt) once, and each
+    trace's tail after it, attending to its keys and values and continuing its recurrent state (train/prefix.py).
+    Same log-probs and gradients to float noise, on every architecture; a step costs about its unique tokens. Needs
+    the trainer's own attention (--attn-implementation unset)."""
     logprob_chunk: int = 512
     """Positions projected to the vocabulary at once: (chunk, vocab) logits are the most that ever exist."""
     gradient_checkpointing: bool = True
@@ -194,7 +194,7 @@ def accumulate(
     stats: runtime.StepStats,
 ) -> float:
     """Add one micro-batch's share of the step's loss gradient to ``.grad``; returns its loss contribution."""
-    args = (mb.input_ids, mb.position_ids, mb.sel, mb.targets, mb.family, mb.member)
+    args = (mb.input_ids, mb.position_ids, mb.sel, mb.targets, mb.prefix)
     ref_logp = None
     if cfg.kl_coef > 0:
         with torch.no_grad():
@@ -335,9 +335,7 @@ def main(cfg: Config) -> None:
         for p in need_old:
             for j, mb in enumerate(micro_batches(p)):
                 mb = mb.to(accelerator.device)
-                old[p, j] = policy(mb.input_ids, mb.position_ids, mb.sel, mb.targets, mb.family, mb.member)[
-                    0
-                ].cpu()  # (N,)
+                old[p, j] = policy(mb.input_ids, mb.position_ids, mb.sel, mb.targets, mb.prefix)[0].cpu()  # (N,)
     policy.train()
     if need_old:
         print0(f"pi_old log-probs for {len(need_old)} steps in {time.perf_counter() - t0:.1f} s")

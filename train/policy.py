@@ -7,12 +7,15 @@ reasons); ``PolicyConfig`` is the part of either that ``load_policy``, ``Policy`
 How traces share a forward pass depends on the architecture, and is decided once, at load (``choose_batching``):
 
 - ``packed``: every layer is (full or sliding-window) attention, so traces packed in one row are kept apart by
-  their restarting position ids (a block-diagonal mask), and ``--share-prefix`` can share a prompt by mask.
+  their restarting position ids (train/attention.py attends within each trace's span).
 - ``varlen``: some layers carry a state along the row (Qwen3.5's Gated DeltaNet: a recurrent state and a causal
   convolution) and flash-linear-attention and causal-conv1d are installed (GPU): traces are packed, and their
   boundaries reach those kernels as ``cu_seq_lens`` and ``seq_idx``, which restart the state at each trace.
 - ``padded``: such layers without those kernels (the CPU). A mask cannot stop a recurrent state or a convolution
   from carrying one trace into the next, so each trace gets its own row, right-padded (train/data.py).
+
+``--share-prefix`` works the same on all three: a family's prompt is computed once and branched into its traces'
+tails, right-padded rows (train/prefix.py).
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ from typing import Any, Literal, Protocol, TypedDict
 
 import torch
 
-from train import attention, data
+from train import attention
 from train.data import DataError, Trace
 from train.logprobs import TokenLoss, fused_token_loss, token_logprobs
 from train.precision import choose_dtype
+from train.prefix import Branch, PrefixStates, Record, SharedPrefix, gradient_bridge
 from train.runtime import TrainConfigError
 
 __all__ = [
@@ -93,10 +97,10 @@ def check_policy_config(cfg: PolicyConfig) -> None:
             raise TrainConfigError(f"--{name.replace('_', '-')} must be >= 1")
     if cfg.max_len > cfg.micro_batch_tokens:
         raise TrainConfigError(f"--max-len {cfg.max_len} must fit --micro-batch-tokens {cfg.micro_batch_tokens}")
-    if cfg.share_prefix and cfg.attn_implementation not in (None, "sdpa", "eager"):  # None: train/attention.py
+    if cfg.share_prefix and cfg.attn_implementation is not None:
         raise TrainConfigError(
-            f"--share-prefix needs --attn-implementation sdpa or eager (a 4D attention mask), "
-            f"not {cfg.attn_implementation}"
+            f"--share-prefix runs on the trainer's own attention (train/attention.py), which attends tails to their "
+            f"prefix; leave --attn-implementation unset, not {cfg.attn_implementation}"
         )
     if not 0 <= cfg.lora_dropout < 1:
         raise TrainConfigError("--lora-dropout must be in [0, 1)")
@@ -123,6 +127,9 @@ class Policy(torch.nn.Module):
         self.chunk, self.temperature = cfg.logprob_chunk, cfg.temperature
         # FSDP wraps the layers the model says must not be split (its decoder layers).
         self._no_split_modules = list(getattr(peft_model.get_base_model(), "_no_split_modules", None) or [])
+        # Prefixes computed by a family's first chunk for its later ones (train/prefix.py): (live, detached copies)
+        # by (family, reference, gradients on).
+        self._prefixes: dict[tuple[int, bool, bool], tuple[PrefixStates, PrefixStates]] = {}
 
     def forward(
         self,
@@ -130,38 +137,76 @@ class Policy(torch.nn.Module):
         position_ids: torch.Tensor,
         sel: torch.Tensor,
         targets: torch.Tensor,
-        family: torch.Tensor | None = None,
-        member: torch.Tensor | None = None,
+        prefix: SharedPrefix | None = None,
         reference: bool = False,
         with_entropy: bool = False,
         token_loss: TokenLoss | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(logp, entropy, loss)`` of the ``sel`` positions' next tokens; loss only with ``token_loss``.
-        ``family``/``member``: a shared-prefix micro-batch (train/data.py), attended through its own mask."""
+        ``prefix``: the rows are tails of one family, after that shared prefix (train/prefix.py)."""
         base = self.peft.get_base_model()
-        mask = None
-        if family is not None and member is not None:
-            mask = data.attention_mask(family, member, base.get_input_embeddings().weight.dtype)
         lm_head = base.get_output_embeddings()
         head = lm_head
         if cap := getattr(base.config, "final_logit_softcapping", None):  # Gemma-style logit soft-capping
             head = functools.partial(_softcapped, lm_head, cap)
         opts = _Chunking(chunk=self.chunk, temperature=self.temperature, with_entropy=with_entropy)
-        bounds = _trace_bounds(position_ids) if self.batching == "varlen" else {}
-        if base.config._attn_implementation == attention.NAME and self.batching != "padded" and mask is None:
-            bounds["trace_spans"] = attention.trace_spans(position_ids)
         with self.peft.disable_adapter() if reference else contextlib.nullcontext():
-            out = base.get_decoder()(
-                input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False, **bounds
-            )
-            hidden = out.last_hidden_state.flatten(0, 1)[sel]  # (N, H): sel indexes the rows one after another
+            bridge = None
+            if prefix is None:
+                hidden = self._rows(base, input_ids, position_ids)
+            else:
+                states, bridge = self._prefix_states(base, prefix, reference)
+                branch = Branch(states, len(input_ids))
+                tails = base.get_decoder()(
+                    input_ids=input_ids, position_ids=position_ids, cache=branch, use_cache=False
+                ).last_hidden_state.flatten(0, 1)  # (k * L, H)
+                assert states.hidden is not None
+                hidden = torch.cat([states.hidden, tails]) if prefix.first else tails  # the first trains the prefix
+            hidden = hidden[sel]  # (N, H): sel indexes the rows one after another
             if token_loss is None:
                 return *token_logprobs(hidden, targets, head, **opts), None
             if not any(p.requires_grad for p in lm_head.parameters()):  # LoRA: the output layer is frozen
                 loss, logp, entropy = fused_token_loss(hidden, targets, head, token_loss, **opts)
-                return logp, entropy, loss
-            logp, entropy = token_logprobs(hidden, targets, head, **opts)  # a trained output layer: checkpointing
-            return logp.detach(), entropy, token_loss(logp, slice(None)).sum()
+            else:  # a trained output layer: checkpointing
+                logp, entropy = token_logprobs(hidden, targets, head, **opts)
+                loss, logp = token_loss(logp, slice(None)).sum(), logp.detach()
+            if bridge is not None:  # value 0: it carries the earlier chunks' gradient into the prefix
+                loss = loss + (bridge - bridge.detach())
+            return logp, entropy, loss
+
+    def _rows(self, base: Any, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """The decoder's (B * T, H) output on rows of packed or padded traces."""
+        bounds = _trace_bounds(position_ids) if self.batching == "varlen" else {}
+        if base.config._attn_implementation == attention.NAME and self.batching != "padded":
+            bounds["trace_spans"] = attention.trace_spans(position_ids)
+        out = base.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False, **bounds)
+        hidden: torch.Tensor = out.last_hidden_state
+        return hidden.flatten(0, 1)
+
+    def _prefix_states(
+        self, base: Any, prefix: SharedPrefix, reference: bool
+    ) -> tuple[PrefixStates, torch.Tensor | None]:
+        """The states this chunk's tails read, and the gradient bridge its loss adds (train/prefix.py)."""
+        key = (prefix.family, reference, torch.is_grad_enabled())
+        if prefix.first:
+            live = PrefixStates()
+            positions = torch.arange(prefix.input_ids.shape[1], device=prefix.input_ids.device)[None]
+            out = base.get_decoder()(
+                input_ids=prefix.input_ids, position_ids=positions, cache=Record(live), use_cache=False
+            )
+            live.hidden = out.last_hidden_state[0]  # (P, H)
+            if prefix.last:
+                return live, None
+            read = live.detached(requires_grad=torch.is_grad_enabled())
+            self._prefixes[key] = (live, read)
+            return read, None
+        if key not in self._prefixes:
+            raise RuntimeError(f"a later chunk of shared-prefix family {prefix.family} came before its first chunk")
+        live, read = self._prefixes[key]
+        if not prefix.last:
+            return read, None
+        del self._prefixes[key]
+        return live, gradient_bridge(live, read)
 
 
 def _trace_bounds(position_ids: torch.Tensor) -> dict[str, Any]:
@@ -238,6 +283,7 @@ def load_policy(cfg: PolicyConfig, mixed_precision: str) -> Policy:
     fresh LoRA, or with --adapter made trainable."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
+    from transformers.modeling_layers import GradientCheckpointingLayer
 
     dtype, dtype_reason = choose_dtype(cfg.dtype, mixed_precision)
     # Unset, the trainer's own backend: each packed trace attends within its bounds, with no (T, T) mask.
@@ -251,6 +297,9 @@ def load_policy(cfg: PolicyConfig, mixed_precision: str) -> Policy:
     base.config.use_cache = False
     if cfg.gradient_checkpointing:
         base.activation_checkpointing_enable({"use_reentrant": False})
+        for layer in base.modules():  # --share-prefix passes a cache the layers must keep when checkpointed
+            if isinstance(layer, GradientCheckpointingLayer):
+                layer._can_checkpoint_with_cache = True
     with warnings.catch_warnings():
         # peft reads `is_gradient_checkpointing`, which transformers 5 deprecates with a FutureWarning.
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
@@ -271,11 +320,6 @@ def load_policy(cfg: PolicyConfig, mixed_precision: str) -> Policy:
     check_lora_targets(peft_model)
     policy = Policy(peft_model, cfg)
     policy.dtype_reason = f"{str(dtype).removeprefix('torch.')} ({dtype_reason})"
-    if cfg.share_prefix and policy.batching != "packed":
-        raise TrainConfigError(
-            "--share-prefix shares a prompt between traces by attention mask, which cannot work here: "
-            f"{policy.batching_reason}. Train without --share-prefix"
-        )
     return policy
 
 

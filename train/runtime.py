@@ -360,6 +360,7 @@ def clip_and_reduce(
 def perf(accelerator: Accelerator, mbs: list[MicroBatch], seconds: float) -> dict[str, float]:
     """A step's speed (called by every rank): its seconds, and the tokens its forward passes read on every rank
     together (padding passes of idle ranks left out) in all and per second."""
-    mine = torch.tensor(sum(mb.input_ids.numel() for mb in mbs if len(mb.sel)), device=accelerator.device)
+    real = [mb for mb in mbs if len(mb.sel) or mb.prefix is not None]
+    mine = torch.tensor(sum(mb.computed_tokens() for mb in real), device=accelerator.device)
     tokens = int(accelerator.reduce(mine, "sum").item())
     return {"perf/step_s": seconds, "perf/tokens": tokens, "perf/tokens_per_s": tokens / seconds}

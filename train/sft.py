@@ -86,8 +86,8 @@ class Config:
     micro_batch_tokens: int = 32768
     """Tokens per forward pass: traces are packed into one row up to this budget, without padding."""
     share_prefix: bool = False
-    """Pack traces that begin alike with that prefix computed once (grpo.py's --share-prefix: the same loss to
-    float noise, a (T, T) attention mask per micro-batch; sdpa or eager attention)."""
+    """Compute the prefix that traces share once, each trace's tail after it (grpo.py's --share-prefix: the same
+    loss to float noise; the trainer's own attention)."""
     logprob_chunk: int = 512
     """Positions projected to the vocabulary at once: (chunk, vocab) logits are the most that ever exist."""
     gradient_checkpointing: bool = True
@@ -193,8 +193,7 @@ def accumulate(accelerator: Accelerator, policy: torch.nn.Module, mb: MicroBatch
         mb.position_ids,
         mb.sel,
         mb.targets,
-        mb.family,
-        mb.member,
+        mb.prefix,
         with_entropy=True,
         token_loss=token_loss,
     )  # (N,), (N,), ()

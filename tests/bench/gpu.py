@@ -281,7 +281,7 @@ def grpo_runs(
         row: dict[str, Any] = {
             "batching": "varlen" if rows == "packed" and policy.batching == "varlen" else rows,
             "micro_batches": len(mbs),
-            "computed_tokens": sum(mb.input_ids.numel() for mb in mbs),
+            "computed_tokens": sum(mb.computed_tokens() for mb in mbs),
         }
         with peak_memory(device, row):
             seconds = time_steps(steps[name], device, rounds=3)

@@ -72,6 +72,7 @@ def make_traces() -> list[Trace]:
 
 def load(tmp_path, model: str, **overrides):
     policy = load_policy(config(tmp_path, model, **overrides), "no")
+    policy.train()  # as the scripts train: gradient checkpointing on, replaying each layer in the backward
     torch.manual_seed(1)
     for name, p in policy.named_parameters():  # a non-zero adapter: its gradient flows through every layer
         if "lora_B" in name:
@@ -103,8 +104,7 @@ def batched(policy, mbs: list[data.MicroBatch]) -> tuple[dict[int, torch.Tensor]
             mb.position_ids,
             mb.sel,
             mb.targets,
-            mb.family,
-            mb.member,
+            mb.prefix,
             token_loss=lambda lp, sl, mb=mb: -mb.weight[sl] * lp,
         )
         loss.backward()
@@ -155,17 +155,25 @@ def test_padded_rows_are_right_for_every_architecture(tmp_path, model_dir):
     assert_equal_alone(policy, mbs, traces)
 
 
-@pytest.mark.parametrize("model_dir", ["qwen3", "llama"], indirect=True)
-def test_shared_prefix_is_right_where_a_mask_keeps_traces_apart(tmp_path, model_dir):
+@pytest.mark.parametrize("model_dir", ARCHITECTURES, indirect=True)
+@pytest.mark.parametrize(("budget", "chunks"), [(256, 1), (58, 3)], ids=["one-chunk", "three-chunks"])
+def test_a_shared_prefix_computed_once_gives_each_trace_what_it_has_alone(tmp_path, model_dir, budget, chunks):
+    # Traces 0-2 share a 24-token prompt, which holds trained tokens (4..23): the last chunk trains them, and the
+    # earlier chunks' gradient reaches the prefix through it. Trace 3 shares nothing and goes alone.
     policy = load(tmp_path, model_dir, share_prefix=True)
-    traces = make_traces()
-    mbs = micro_batches(traces, 256, share_prefix=True, padded=False)
-    assert sum(mb.input_ids.numel() for mb in mbs) == sum(len(t.tokens) for t in traces) - 2 * 24
+    traces = make_traces()[:4]
+    mbs = micro_batches(traces, budget, share_prefix=True, padded=policy.batching == "padded")
+    shared = [mb for mb in mbs if mb.prefix is not None]
+    assert len(shared) == chunks and shared[0].prefix.first and shared[-1].prefix.last
+    assert {mb.prefix.input_ids.shape[1] for mb in shared} == {24}
+    assert sorted(len(t.tokens) for t in traces) == [35, 40, 44, 57]
+    tails = 33 + 20 + 11 if chunks == 3 else 3 * 33  # right-padded rows
+    assert sum(mb.computed_tokens() for mb in mbs) == 24 + tails + 40
     assert_equal_alone(policy, mbs, traces)
 
 
 @pytest.mark.parametrize("model_dir", ["qwen3.5"], indirect=True)
-def test_packing_leaks_between_traces_on_linear_attention_and_share_prefix_is_refused(tmp_path, model_dir):
+def test_packing_leaks_between_traces_on_linear_attention(tmp_path, model_dir):
     # What the trainer did before it chose the batching: one packed row. The later traces inherit the earlier
     # ones' recurrent state, which the property test above would catch.
     policy = load(tmp_path, model_dir)
@@ -176,8 +184,6 @@ def test_packing_leaks_between_traces_on_linear_attention_and_share_prefix_is_re
         logp = policy(mb.input_ids, mb.position_ids, mb.sel, mb.targets)[0]
     worst = max(float((logp[mb.session == t.session] - e).abs().max()) for t, e in zip(traces, expected, strict=True))
     assert worst > 1e-3
-    with pytest.raises(TrainConfigError, match=r"share-prefix.*linear_attention layers and convolutions carry state"):
-        load_policy(config(tmp_path, model_dir, share_prefix=True), "no")
 
 
 # ---- through the scripts: the first step is the same whether traces share micro-batches or not

@@ -1,9 +1,10 @@
 """train/data.py: reading and checking trajectory files, truncation, planning, packing, collation."""
 
+import dataclasses
+
 import numpy as np
 import polars as pl
 import pytest
-import torch
 
 from reconstruct import schema
 from tests.train.helpers import groups, trace, write
@@ -228,15 +229,14 @@ def test_families_share_a_prefix_only_where_it_saves_tokens():
         )
 
     traces = [t(1, 2, 3, 4, 5), t(9, 9), t(1, 2, 3, 4, 6, 7), t(1, 2, 8), t(1, 2, 3, 4, 5, 0)]
-    # [1, 2, 3, 4] for 0, 2 and 4 saves 8; taking 3 in too would cut it to [1, 2]: 6
-    assert data.families(traces, budget=100) == [(4, [0, 4, 2]), (3, [3]), (2, [1])]  # in token order
-    # the budget holds the prefix once plus every tail
-    assert data.families(traces, budget=8) == [(5, [0, 4]), (2, [2, 3]), (2, [1])]
+    # [1, 2, 3, 4] for 0, 2 and 4 saves 8; taking 3 in too would cut it to [1, 2]: 6. 0 and 4 share 5 tokens, but
+    # a prefix leaves each member a token of its own. A family of one "shares" all but its last token.
+    assert data.families(traces, budget=100) == [(4, [0, 4, 2]), (2, [3]), (1, [1])]  # in token order
     with pytest.raises(ValueError, match="over the budget"):
         data.families(traces, budget=5)
 
 
-def test_collate_shared_packs_a_prefix_once_and_masks_the_other_tails():
+def shared_traces() -> tuple[data.Trace, data.Trace, data.Trace]:
     a = data.Trace(
         session=0,
         tokens=np.array([1, 2, 3, 4]),
@@ -255,27 +255,55 @@ def test_collate_shared_packs_a_prefix_once_and_masks_the_other_tails():
     )
     c = data.Trace(
         session=2,
-        tokens=np.array([5, 6]),
-        n_prompt=1,
-        trained=np.array([0]),
-        behav_logp=np.array([-4.0], dtype=np.float32),
+        tokens=np.array([1, 2, 5, 6, 8]),
+        n_prompt=2,
+        trained=np.array([1, 3]),
+        behav_logp=np.array([-4.0, -5.0], dtype=np.float32),
         adv=1.0,
     )
-    mb = data.collate_shared([(2, [a, b]), (2, [c])], [0.25, 0.125, 1.0])
-    assert mb.input_ids.tolist() == [[1, 2, 3, 4, 7, 5, 6]]
-    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1]]
-    # a's position 1 and b's position 1 are the shared token 2 (row 1); a's position 2 is row 2
-    assert mb.sel.tolist() == [1, 2, 1, 5]
-    assert mb.targets.tolist() == [3, 4, 7, 6]
-    assert mb.weight.tolist() == [0.25, 0.25, 0.125, 1.0]
-    assert mb.session.tolist() == [0, 0, 1, 2]
-    allowed = data.attention_mask(mb.family, mb.member, torch.float32)[0, 0] == 0
-    assert allowed.int().tolist() == [
-        [1, 0, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0, 0],
-        [1, 1, 1, 0, 0, 0, 0],  # a's tail: the prefix and itself
-        [1, 1, 1, 1, 0, 0, 0],
-        [1, 1, 0, 0, 1, 0, 0],  # b's tail: the prefix, not a's tail
-        [0, 0, 0, 0, 0, 1, 0],  # another family: nothing of the first
-        [0, 0, 0, 0, 0, 1, 1],
-    ]
+    return a, b, c
+
+
+def test_collate_family_puts_tails_in_rows_after_the_prefix_and_trains_the_prefix_in_the_first_chunk():
+    a, b, c = shared_traces()
+    first, last = data.collate_family(2, [a, b, c], [0.25, 0.125, 1.0], [[2, 0], [1]], family=7)
+    assert (first.prefix.family, first.prefix.first, first.prefix.last) == (7, True, False)
+    assert (last.prefix.family, last.prefix.first, last.prefix.last) == (7, False, True)
+    assert first.prefix.input_ids.tolist() == [[1, 2]] and first.prefix.input_ids is last.prefix.input_ids
+    assert first.input_ids.tolist() == [[5, 6, 8], [3, 4, 0]]  # c's and a's tails, right-padded
+    assert first.position_ids.tolist() == [[2, 3, 4], [2, 3, 4]]
+    # the first pass addresses the prefix's 2 positions, then the rows: position 1 (token 2) predicts each member's
+    # first tail token; c's position 3 is row 0, column 1; a's position 2 is row 1, column 0
+    assert first.sel.tolist() == [1, 1, 1, 2 + 1, 2 + 3 + 0]
+    assert first.targets.tolist() == [3, 7, 5, 8, 4]
+    assert first.session.tolist() == [0, 1, 2, 2, 0]
+    assert first.weight.tolist() == [0.25, 0.125, 1.0, 1.0, 0.25]
+    assert first.adv.tolist() == [0.5, -0.5, 1.0, 1.0, 0.5]
+    assert first.behav_logp.tolist() == [-1.0, -3.0, -4.0, -5.0, -2.0]
+    assert last.input_ids.tolist() == [[7]] and last.position_ids.tolist() == [[2]]
+    assert last.sel.tolist() == [] and last.targets.tolist() == []  # b's only trained token is in the prefix
+    assert first.computed_tokens() == 2 + 6 and last.computed_tokens() == 1
+
+
+def test_a_family_is_shared_only_where_it_computes_fewer_tokens_and_its_chunks_stay_together():
+    a, b, c = shared_traces()
+    aggregate = losses.AGGREGATIONS["token_mean"]
+    # budget 6: tails of 2, 1 and 3 tokens in chunks of at most 4 -> [c], [a, b]: 2 + 3 + 2 * 2 = 9 < 12 computed
+    mbs = data.rank_micro_batches([a, b, c], aggregate, 10, 6, rank=0, world=1, share_prefix=True)
+    assert [(mb.prefix.first, mb.prefix.last) for mb in mbs] == [(True, False), (False, True)]
+    assert sum(mb.computed_tokens() for mb in mbs) == 9
+    # without a shared prompt worth its padding (1 token of 4 and 5), the traces are packed as they are
+    d = dataclasses.replace(c, tokens=np.array([1, 9, 5, 6, 8]))
+    (mb,) = data.rank_micro_batches([a, d], aggregate, 10, 9, rank=0, world=1, share_prefix=True)
+    assert mb.prefix is None and mb.computed_tokens() == 9
+    # on two ranks the family's two passes go to one rank, in order, and the other rank pads with empty passes
+    e = dataclasses.replace(d, session=3)
+    ranks = [data.rank_micro_batches([a, b, c, e], aggregate, 10, 6, r, 2, share_prefix=True) for r in range(2)]
+    assert [len(r) for r in ranks] == [2, 2]
+    with_family = [r for r in ranks if r[0].prefix is not None]
+    assert len(with_family) == 1 and [mb.prefix.last for mb in with_family[0]] == [False, True]
+
+
+def test_balance_counts_a_units_passes():
+    # unit 0 is a family of three passes: the other rank gets both bins and an empty pass
+    assert data.balance([9, 5, 4], world=2, passes=[3, 1, 1]) == [[0], [1, 2, None]]

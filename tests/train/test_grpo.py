@@ -119,13 +119,17 @@ def test_packed_micro_batch_log_probs_equal_each_trace_on_its_own(tmp_path, tiny
         )
         for i, t in enumerate(tokens)
     ]
-    (mb,) = grpo.rank_micro_batches(traces, cfg, losses.AGGREGATIONS[cfg.loss_agg], rank=0, world=1, batching="packed")
-    # one row, no padding; shared: [5, 9, 300] once for 0, 3 and 4 (then [5, 9, 300, 41] would save less)
-    assert mb.input_ids.shape[1] == sum(len(t) for t in tokens) - (6 if share_prefix else 0)
+    mbs = grpo.rank_micro_batches(traces, cfg, losses.AGGREGATIONS[cfg.loss_agg], rank=0, world=1, batching="packed")
+    # unshared: one row, no padding; shared: [5, 9, 300] once for 0, 3 and 4 (then [5, 9, 300, 41] would save less),
+    # their tails in rows of 4 (3's padded by one), the others in one packed row
+    assert [mb.computed_tokens() for mb in mbs] == ([15, 12] if share_prefix else [32])
     policy.eval()
     with torch.no_grad():
-        logp = policy(mb.input_ids, mb.position_ids, mb.sel, mb.targets, mb.family, mb.member)[0]
-        ref_logp = policy(mb.input_ids, mb.position_ids, mb.sel, mb.targets, mb.family, mb.member, reference=True)[0]
+        logp = torch.cat([policy(mb.input_ids, mb.position_ids, mb.sel, mb.targets, mb.prefix)[0] for mb in mbs])
+        ref_logp = torch.cat(
+            [policy(mb.input_ids, mb.position_ids, mb.sel, mb.targets, mb.prefix, reference=True)[0] for mb in mbs]
+        )
+        session = torch.cat([mb.session for mb in mbs])
         expected, expected_ref = [], []
         base = policy.peft.get_base_model()
         for t in traces:
@@ -138,8 +142,8 @@ def test_packed_micro_batch_log_probs_equal_each_trace_on_its_own(tmp_path, tiny
                 out.append(logits.log_softmax(-1)[t.trained, t.tokens[t.trained + 1]])
     # packing order is by length; compare per session
     for s in range(len(tokens)):
-        torch.testing.assert_close(logp[mb.session == s], expected[s], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(ref_logp[mb.session == s], expected_ref[s], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logp[session == s], expected[s], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ref_logp[session == s], expected_ref[s], atol=1e-5, rtol=1e-5)
     assert not torch.allclose(logp, ref_logp, atol=1e-3)
 
 
@@ -196,15 +200,19 @@ def test_step_loss_equals_a_hand_written_reference(tmp_path, tiny_model_dir, los
     assert cut == {"truncated": 1, "prompt_too_long": 0, "nothing_trained": 0, "zero_std": 2}
     mbs = grpo.rank_micro_batches(traces, cfg, losses.AGGREGATIONS[cfg.loss_agg], rank=0, world=1, batching="packed")
     assert len(mbs) > 1
-    packed = sum(mb.input_ids.shape[1] for mb in mbs)
-    assert packed == sum(len(t.tokens) for t in traces) - (7 + 2 if share_prefix else 0)  # a-0's 7, c's 2 once
+    packed = sum(mb.computed_tokens() for mb in mbs)
+    # a-0's two traces share their first 6 tokens, computed once (c-0 and c-1 would save none, padding counted)
+    assert packed == sum(len(t.tokens) for t in traces) - (6 if share_prefix else 0)
     accelerator = Accelerator()
     importance = lambda o, b: losses.truncated_importance(o, b, 2.0)  # noqa: E731
     total = 0.0
     for mb in mbs:
         with torch.no_grad():
-            logp = policy(mb.input_ids, mb.position_ids, mb.sel, mb.targets, mb.family, mb.member)[0]
-        old = logp + delta(mb.targets, mb.position_ids[0, mb.sel])
+            logp = policy(mb.input_ids, mb.position_ids, mb.sel, mb.targets, mb.prefix)[0]
+        positions = mb.position_ids.flatten()  # what sel addresses: the rows, after a prefix the pass computes
+        if mb.prefix is not None and mb.prefix.first:
+            positions = torch.cat([torch.arange(mb.prefix.input_ids.shape[1]), positions])
+        old = logp + delta(mb.targets, positions[mb.sel])
         total += grpo.accumulate(accelerator, policy, mb, old, cfg, importance, runtime.StepStats())
 
     # -- by hand: every trace on its own through the plain model, every token in a Python loop

@@ -105,7 +105,7 @@ def test_step_loss_is_the_nll_of_taught_tokens_by_hand(tmp_path, tiny_model_dir,
     assert cut["truncated"] == 1
     mbs = sft.rank_micro_batches(traces, sft.AGGREGATIONS[loss_agg], cfg, rank=0, world=1, batching="packed")
     assert len(mbs) > 1
-    assert sum(mb.input_ids.shape[1] for mb in mbs) == sum(len(t.tokens) for t in traces) - 7 * share_prefix
+    assert sum(mb.computed_tokens() for mb in mbs) == sum(len(t.tokens) for t in traces) - 6 * share_prefix
     total = sum(sft.accumulate(Accelerator(), policy, mb, runtime.StepStats()) for mb in mbs)
 
     by_session: dict[str, list[float]] = {}
