@@ -6,8 +6,10 @@ the (T, T) scores exist in memory at every layer. Registered under ``NAME`` (``-
 transformers builds no mask at all for this backend, and the policy passes each trace's ``(start, end)`` in the row
 as ``trace_spans``: one causal SDPA per trace, which takes SDPA's fused path.
 
-Keys longer than the queries are tails after a shared prefix (train/prefix.py): the prefix's keys come first, and
-each query attends to all of them and causally within its tail, through a small (L, P + L) mask.
+Keys longer than the queries are tails after a shared prefix (train/prefix.py): rows of L queries whose P + L keys
+begin with the prefix's, the same in every row. Each query attends to all of the prefix and causally within its
+tail. On the CPU, ``PrefixThenTail`` runs that as two unmasked fused SDPA calls merged by their log-sum-exp; elsewhere
+(or with dropout or a sliding window) one SDPA call takes a small (L, P + L) mask.
 
 Attention logit soft-capping (Gemma 2) is not applied here: load_policy refuses such a model on this backend.
 """
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["NAME", "register", "span_attention", "trace_spans"]
+__all__ = ["NAME", "PrefixThenTail", "register", "span_attention", "trace_spans"]
 
 NAME = "polar_trace_spans"
 
@@ -47,6 +49,57 @@ def _causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window:
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, **sdpa)
 
 
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class PrefixThenTail(torch.autograd.Function):
+    """Tails after a shared prefix, on the CPU: every query of the k rows against the prefix's keys as one unmasked
+    row (the prefix is not copied per row), and each row causally against its own keys; the two softmaxes merged by
+    their log-sum-exps. One masked SDPA over (L, P + L) takes 1.5x as long on the Pi-shaped micro-batch
+    (tests/bench/train.py). The backward hands each part the merged output and log-sum-exp: the whole softmax's
+    gradient restricted to that part's keys (as ring attention splits it). Heads must match (GQA repeated before)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        query: torch.Tensor,  # (k, H, L, D)
+        prefix_key: torch.Tensor,  # (1, H, P, D)
+        prefix_value: torch.Tensor,  # (1, H, P, D)
+        key: torch.Tensor,  # (k, H, L, D)
+        value: torch.Tensor,  # (k, H, L, D)
+        scale: float | None,
+    ) -> torch.Tensor:
+        rows, heads, length, dim = query.shape
+        flat = query.transpose(0, 1).reshape(1, heads, rows * length, dim)  # (1, H, k * L, D)
+        out_p, lse_p = _flash(flat, prefix_key, prefix_value, 0.0, False, scale=scale)
+        out_t, lse_t = _flash(query, key, value, 0.0, True, scale=scale)  # (k, H, L, D), (k, H, L)
+        out_p = out_p.reshape(heads, rows, length, dim).transpose(0, 1)
+        lse_p = lse_p.reshape(heads, rows, length).transpose(0, 1)  # (k, H, L) float32
+        lse = torch.logaddexp(lse_p, lse_t)
+        merged = torch.exp(lse_p - lse)[..., None] * out_p.float() + torch.exp(lse_t - lse)[..., None] * out_t.float()
+        out: torch.Tensor = merged.to(query.dtype).contiguous()
+        ctx.save_for_backward(query, prefix_key, prefix_value, key, value, out, lse.contiguous())
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        query, prefix_key, prefix_value, key, value, out, lse = ctx.saved_tensors
+        rows, heads, length, dim = query.shape
+        grad = grad.contiguous()
+
+        def flat(t: torch.Tensor) -> torch.Tensor:  # (k, H, L, ...) -> (1, H, k * L, ...)
+            return t.transpose(0, 1).reshape(1, heads, rows * length, *t.shape[3:])
+
+        dq_p, dk_p, dv_p = _flash_backward(
+            flat(grad), flat(query), prefix_key, prefix_value, flat(out), flat(lse), 0.0, False, scale=ctx.scale
+        )
+        dq_t, dk_t, dv_t = _flash_backward(grad, query, key, value, out, lse, 0.0, True, scale=ctx.scale)
+        dq = dq_p.reshape(heads, rows, length, dim).transpose(0, 1) + dq_t
+        return dq, dk_p, dv_p, dk_t, dv_t, None
+
+
 def span_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -58,14 +111,20 @@ def span_attention(
     trace_spans: list[tuple[int, int]] | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface: (B, H, L, D) queries, (B, H_kv, L, D) keys and values -> (B, L, H, D)."""
-    if key.shape[1] != query.shape[1]:  # grouped-query attention: each key/value head serves several query heads
-        repeats = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(repeats, 1), value.repeat_interleave(repeats, 1)
+    """transformers' attention interface: (B, H, L, D) queries, (B, H_kv, L', D) keys and values -> (B, L, H, D)."""
     if attention_mask is not None:  # transformers builds none for this backend: one would come from a caller
         raise ValueError(f"{NAME} attends by trace spans and takes no attention mask")
-    sdpa: dict[str, Any] = {"dropout_p": dropout, "scale": scaling}
     window = getattr(module, "sliding_window", None)
+    repeats = query.shape[1] // key.shape[1]  # grouped-query attention: each key/value head serves several
+    shared = key.shape[2] - query.shape[2]  # keys of a shared prefix before the tails'
+    if shared > 0 and query.device.type == "cpu" and dropout == 0 and (window is None or window >= key.shape[2]):
+        prefix_kv = [t[:1, :, :shared].repeat_interleave(repeats, 1) for t in (key, value)]
+        tail_kv = [t[:, :, shared:].repeat_interleave(repeats, 1) for t in (key, value)]
+        out = PrefixThenTail.apply(query, *prefix_kv, *tail_kv, scaling)  # type: ignore[no-untyped-call]
+        return out.transpose(1, 2).contiguous(), None
+    if repeats > 1:
+        key, value = key.repeat_interleave(repeats, 1), value.repeat_interleave(repeats, 1)
+    sdpa: dict[str, Any] = {"dropout_p": dropout, "scale": scaling}
     if trace_spans is None:
         out = _causal(query, key, value, window, **sdpa)
     else:
