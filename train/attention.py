@@ -6,10 +6,11 @@ the (T, T) scores exist in memory at every layer. Registered under ``NAME`` (``-
 transformers builds no mask at all for this backend, and the policy passes each trace's ``(start, end)`` in the row
 as ``trace_spans``: one causal SDPA per trace, which takes SDPA's fused path.
 
-Keys longer than the queries are tails after a shared prefix (train/prefix.py): rows of L queries whose P + L keys
-begin with the prefix's, the same in every row. Each query attends to all of the prefix and causally within its
-tail. On the CPU, ``PrefixThenTail`` runs that as two unmasked fused SDPA calls merged by their log-sum-exp; elsewhere
-(or with dropout or a sliding window) one SDPA call takes a small (L, P + L) mask.
+Tails after a shared prefix (train/prefix.py) come as rows of L queries, keys and values, with the prefix's own
+(1, H_kv, P, D) keys and values as ``shared_prefix`` (the Branch cache puts them there). Each query attends to all of
+the prefix and causally within its tail. On the CPU, ``PrefixThenTail`` runs that as two unmasked fused SDPA calls
+merged by their log-sum-exps; elsewhere (or with dropout or a sliding window) one SDPA call over the prefix's keys
+then the tail's takes a small (L, P + L) mask.
 
 Attention logit soft-capping (Gemma 2) is not applied here: load_policy refuses such a model on this backend.
 """
@@ -109,19 +110,23 @@ def span_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     trace_spans: list[tuple[int, int]] | None = None,
+    shared_prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface: (B, H, L, D) queries, (B, H_kv, L', D) keys and values -> (B, L, H, D)."""
+    """transformers' attention interface: (B, H, L, D) queries, (B, H_kv, L, D) keys and values -> (B, L, H, D)."""
     if attention_mask is not None:  # transformers builds none for this backend: one would come from a caller
         raise ValueError(f"{NAME} attends by trace spans and takes no attention mask")
     window = getattr(module, "sliding_window", None)
     repeats = query.shape[1] // key.shape[1]  # grouped-query attention: each key/value head serves several
-    shared = key.shape[2] - query.shape[2]  # keys of a shared prefix before the tails'
-    if shared > 0 and query.device.type == "cpu" and dropout == 0 and (window is None or window >= key.shape[2]):
-        prefix_kv = [t[:1, :, :shared].repeat_interleave(repeats, 1) for t in (key, value)]
-        tail_kv = [t[:, :, shared:].repeat_interleave(repeats, 1) for t in (key, value)]
-        out = PrefixThenTail.apply(query, *prefix_kv, *tail_kv, scaling)  # type: ignore[no-untyped-call]
-        return out.transpose(1, 2).contiguous(), None
+    if shared_prefix is not None:
+        total = shared_prefix[0].shape[2] + key.shape[2]
+        if query.device.type == "cpu" and dropout == 0 and (window is None or window >= total):
+            prefix_kv = [t.repeat_interleave(repeats, 1) for t in shared_prefix]
+            tail_kv = [t.repeat_interleave(repeats, 1) for t in (key, value)]
+            out = PrefixThenTail.apply(query, *prefix_kv, *tail_kv, scaling)  # type: ignore[no-untyped-call]
+            return out.transpose(1, 2).contiguous(), None
+        prefix_key, prefix_value = (p.expand(key.shape[0], -1, -1, -1) for p in shared_prefix)
+        key, value = torch.cat([prefix_key, key], dim=2), torch.cat([prefix_value, value], dim=2)
     if repeats > 1:
         key, value = key.repeat_interleave(repeats, 1), value.repeat_interleave(repeats, 1)
     sdpa: dict[str, Any] = {"dropout_p": dropout, "scale": scaling}

@@ -45,6 +45,7 @@ __all__ = [
     "check_policy_config",
     "check_vocabulary",
     "choose_batching",
+    "enable_checkpointing",
     "load_policy",
     "lora_target_names",
 ]
@@ -278,12 +279,22 @@ def _softcapped(head: torch.nn.Module, cap: float, hidden: torch.Tensor) -> torc
     return torch.tanh(head(hidden) / cap) * cap
 
 
+def enable_checkpointing(model: Any) -> None:
+    """Recompute each decoder layer in the backward (non-reentrant), keeping the cache argument by which
+    ``--share-prefix`` records and branches a prefix (transformers drops it from checkpointed layers otherwise)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    for layer in model.modules():
+        if isinstance(layer, GradientCheckpointingLayer):
+            layer._can_checkpoint_with_cache = True
+
+
 def load_policy(cfg: PolicyConfig, mixed_precision: str) -> Policy:
     """The base model, in the dtype ``--dtype`` gives (train/precision.py: auto measures bf16 on the CPU), with a
     fresh LoRA, or with --adapter made trainable."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
-    from transformers.modeling_layers import GradientCheckpointingLayer
 
     dtype, dtype_reason = choose_dtype(cfg.dtype, mixed_precision)
     # Unset, the trainer's own backend: each packed trace attends within its bounds, with no (T, T) mask.
@@ -296,10 +307,7 @@ def load_policy(cfg: PolicyConfig, mixed_precision: str) -> Policy:
         )
     base.config.use_cache = False
     if cfg.gradient_checkpointing:
-        base.activation_checkpointing_enable({"use_reentrant": False})
-        for layer in base.modules():  # --share-prefix passes a cache the layers must keep when checkpointed
-            if isinstance(layer, GradientCheckpointingLayer):
-                layer._can_checkpoint_with_cache = True
+        enable_checkpointing(base)
     with warnings.catch_warnings():
         # peft reads `is_gradient_checkpointing`, which transformers 5 deprecates with a FutureWarning.
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)

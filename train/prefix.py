@@ -4,10 +4,11 @@ The samples of a task begin with one prompt. A *family* of such traces runs in t
 
 1. The prefix, one (1, P) row, through a ``Record`` cache: each attention layer keeps its keys and values, each
    linear-attention layer (Qwen3.5's Gated DeltaNet) the last inputs of its convolution and its recurrent state.
-2. The tails, right-padded rows (k, L) at positions P.., through a ``Branch`` cache: every attention layer prepends
-   the prefix's keys and values (a view, expanded over the rows) and attends to all of the prefix and causally within
-   the tail (train/attention.py); every linear-attention layer starts its convolution and its recurrence from the
-   prefix's. Causal layers never read the padding after a token.
+2. The tails, right-padded rows (k, L) at positions P.., through a ``Branch`` cache: every attention layer hands
+   the prefix's keys and values to the attention function, which attends to all of the prefix and causally within
+   the tail (train/attention.py), the prefix stored once for all rows; every linear-attention layer starts its
+   convolution and its recurrence from the prefix's (views, expanded over the rows). Causal layers never read the
+   padding after a token.
 
 So each unique token is computed once, the prefix's once per family, with no (T, T) tensor anywhere, and each trace
 gets what it would get alone, up to float rounding.
@@ -130,11 +131,15 @@ class Branch:
         return t.expand(self.rows, *t.shape[1:])  # a view: the prefix is stored once
 
     def update(
-        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, kwargs: Any = None
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, kwargs: dict[str, Any] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k, H_kv, L, D) tail keys/values -> (k, H_kv, P + L, D), the prefix's first."""
-        k, v = self.states.keys[layer_idx], self.states.values[layer_idx]
-        return torch.cat([self._rows(k), key], dim=2), torch.cat([self._rows(v), value], dim=2)
+        """The tails' (k, H_kv, L, D) keys and values, unchanged; the prefix's go to the attention function as
+        ``shared_prefix``, through ``kwargs``: the attention layer's own keyword arguments, which transformers'
+        layers pass here and then to the attention function."""
+        if kwargs is None:
+            raise TypeError(f"layer {layer_idx}'s attention passes the cache no kwargs: --share-prefix cannot reach it")
+        kwargs["shared_prefix"] = (self.states.keys[layer_idx], self.states.values[layer_idx])
+        return key, value
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0 if self.states.hidden is None else self.states.hidden.shape[0]

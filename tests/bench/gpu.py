@@ -143,7 +143,7 @@ def build_policy(family: str, shape: dict[str, Any], device: torch.device, micro
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
-    from train import grpo, policy
+    from train import attention, grpo, policy
 
     config_class, model_class = {
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
@@ -151,9 +151,10 @@ def build_policy(family: str, shape: dict[str, Any], device: torch.device, micro
     }[family]
     torch.manual_seed(0)
     config = config_class(**shape, bos_token_id=None, eos_token_id=2, pad_token_id=0, use_cache=False)
+    config._attn_implementation = attention.register()  # the trainer's attention, as load_policy sets it
     with torch.device(device):
         base = model_class(config).to(torch.bfloat16)
-    base.activation_checkpointing_enable({"use_reentrant": False})
+    policy.enable_checkpointing(base)
     lora = LoraConfig(
         r=16, lora_alpha=32, lora_dropout=0.0, target_modules=policy.lora_target_names(base), task_type="CAUSAL_LM"
     )
@@ -167,7 +168,6 @@ def build_policy(family: str, shape: dict[str, Any], device: torch.device, micro
         max_len=micro_batch,
         micro_batch_tokens=micro_batch,
         lora_r=16,
-        attn_implementation="sdpa",
     )
     return policy.Policy(peft_model, cfg), cfg
 

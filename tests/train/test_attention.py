@@ -11,21 +11,21 @@ from train.attention import span_attention
 
 
 def tails(rows: int = 3, heads: int = 4, kv_heads: int = 2, length: int = 7, shared: int = 11, dim: int = 8):
-    """Queries of ``rows`` tails and their keys/values as the Branch cache gives them: the prefix's (the same in every
-    row) then each tail's."""
+    """Queries of ``rows`` tails, their own keys/values, and the prefix's (one for every row) as the Branch cache
+    hands them over."""
     torch.manual_seed(0)
     query = torch.randn(rows, heads, length, dim, requires_grad=True)
     prefix = [torch.randn(1, kv_heads, shared, dim, requires_grad=True) for _ in range(2)]
     own = [torch.randn(rows, kv_heads, length, dim, requires_grad=True) for _ in range(2)]
-    key, value = (torch.cat([p.expand(rows, -1, -1, -1), o], dim=2) for p, o in zip(prefix, own, strict=True))
-    return query, key, value, [query, *prefix, *own]
+    return query, prefix, own, [query, *prefix, *own]
 
 
 @pytest.mark.parametrize("window", [None, 9], ids=["prefix-then-tail", "sliding-window-mask"])
 def test_tails_attend_to_the_whole_prefix_and_causally_to_themselves(window):
-    query, key, value, leaves = tails()
+    query, prefix, own, leaves = tails()
     module = types.SimpleNamespace(sliding_window=window)
-    out, _ = span_attention(module, query, key, value, None, scaling=0.3)  # (k, L, H, D)
+    out, _ = span_attention(module, query, *own, None, scaling=0.3, shared_prefix=tuple(prefix))  # (k, L, H, D)
+    key, value = (torch.cat([p.expand(len(query), -1, -1, -1), o], dim=2) for p, o in zip(prefix, own, strict=True))
     # the reference: query i of a tail is token P + i; it sees keys j <= P + i (within the window)
     length, total = query.shape[2], key.shape[2]
     i = torch.arange(length)[:, None] + (total - length)
