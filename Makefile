@@ -101,6 +101,7 @@ bench: $(STAMP) models/smollm2
 	$(BIN)/python -m tests.bench.server
 	$(BIN)/python -m tests.bench.train
 	$(BIN)/python -m tests.bench.prefix
+	$(BIN)/python -m tests.bench.dtype
 	$(BIN)/python -m tests.bench.reliability
 	$(BIN)/python -m tests.bench.suite
 	$(BIN)/python -m tests.bench.summary

@@ -21,7 +21,7 @@ from rich.table import Table
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # In the order make bench runs them; each one's JSON has a "targets" list.
-BENCHES = ["proxy", "litellm", "reconstruct", "server", "train", "prefix", "suite"]
+BENCHES = ["proxy", "litellm", "reconstruct", "server", "train", "prefix", "dtype", "suite"]
 _COLOUR = {"PASS": "green", "MISS": "red", "info": "dim", "n/a": "yellow"}
 
 
