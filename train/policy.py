@@ -34,7 +34,7 @@ from train import attention
 from train.data import DataError, Trace
 from train.logprobs import TokenLoss, fused_token_loss, token_logprobs
 from train.precision import choose_dtype
-from train.prefix import Branch, PrefixStates, Record, SharedPrefix, gradient_bridge
+from train.prefix import Branch, PrefixStates, Record, SharedPrefix, bridge_gradient
 from train.runtime import TrainConfigError
 
 __all__ = [
@@ -128,9 +128,9 @@ class Policy(torch.nn.Module):
         self.chunk, self.temperature = cfg.logprob_chunk, cfg.temperature
         # FSDP wraps the layers the model says must not be split (its decoder layers).
         self._no_split_modules = list(getattr(peft_model.get_base_model(), "_no_split_modules", None) or [])
-        # Prefixes computed by a family's first chunk for its later ones (train/prefix.py): (live, detached copies)
-        # by (family, reference, gradients on).
-        self._prefixes: dict[tuple[int, bool, bool], tuple[PrefixStates, PrefixStates]] = {}
+        # Prefixes computed by a family's first chunk for its later ones (train/prefix.py), detached, by (family,
+        # reference, gradients on).
+        self._prefixes: dict[tuple[int, bool, bool], PrefixStates] = {}
 
     def forward(
         self,
@@ -152,11 +152,11 @@ class Policy(torch.nn.Module):
             head = functools.partial(_softcapped, lm_head, cap)
         opts = _Chunking(chunk=self.chunk, temperature=self.temperature, with_entropy=with_entropy)
         with self.peft.disable_adapter() if reference else contextlib.nullcontext():
-            bridge = None
+            gathered = None
             if prefix is None:
                 hidden = self._rows(base, input_ids, position_ids)
             else:
-                states, bridge = self._prefix_states(base, prefix, reference)
+                states, gathered = self._prefix_states(base, prefix, reference)
                 branch = Branch(states, len(input_ids))
                 tails = base.get_decoder()(
                     input_ids=input_ids, position_ids=position_ids, cache=branch, use_cache=False
@@ -171,8 +171,8 @@ class Policy(torch.nn.Module):
             else:  # a trained output layer: checkpointing
                 logp, entropy = token_logprobs(hidden, targets, head, **opts)
                 loss, logp = token_loss(logp, slice(None)).sum(), logp.detach()
-            if bridge is not None:  # value 0: it carries the earlier chunks' gradient into the prefix
-                loss = loss + (bridge - bridge.detach())
+            if gathered is not None:  # the earlier chunks' gradient goes into the prefix with this loss's backward
+                loss = bridge_gradient(loss, states, gathered)
             return logp, entropy, loss
 
     def _rows(self, base: Any, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -186,28 +186,35 @@ class Policy(torch.nn.Module):
 
     def _prefix_states(
         self, base: Any, prefix: SharedPrefix, reference: bool
-    ) -> tuple[PrefixStates, torch.Tensor | None]:
-        """The states this chunk's tails read, and the gradient bridge its loss adds (train/prefix.py)."""
-        key = (prefix.family, reference, torch.is_grad_enabled())
+    ) -> tuple[PrefixStates, PrefixStates | None]:
+        """The states this chunk's tails read and, on a family's last chunk when training, the detached copies the
+        earlier ones read, whose gathered gradient its loss hands on (train/prefix.py)."""
+        grad = torch.is_grad_enabled()
+        key = (prefix.family, reference, grad)
+        if prefix.first and prefix.last:
+            return self._prefix(base, prefix.input_ids), None
         if prefix.first:
-            live = PrefixStates()
-            positions = torch.arange(prefix.input_ids.shape[1], device=prefix.input_ids.device)[None]
-            out = base.get_decoder()(
-                input_ids=prefix.input_ids, position_ids=positions, cache=Record(live), use_cache=False
-            )
-            live.hidden = out.last_hidden_state[0]  # (P, H)
-            if prefix.last:
-                return live, None
-            read = live.detached(requires_grad=torch.is_grad_enabled())
-            self._prefixes[key] = (live, read)
+            with torch.no_grad():  # values only: the last chunk computes the prefix again, with its graph
+                read = self._prefix(base, prefix.input_ids).detached(requires_grad=grad)
+            self._prefixes[key] = read
             return read, None
         if key not in self._prefixes:
             raise RuntimeError(f"a later chunk of shared-prefix family {prefix.family} came before its first chunk")
-        live, read = self._prefixes[key]
+        read = self._prefixes[key]
         if not prefix.last:
             return read, None
         del self._prefixes[key]
-        return live, gradient_bridge(live, read)
+        if not grad:
+            return read, None
+        return self._prefix(base, prefix.input_ids), read
+
+    def _prefix(self, base: Any, input_ids: torch.Tensor) -> PrefixStates:
+        """The (1, P) prefix through the decoder, every layer's states recorded."""
+        states = PrefixStates()
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        out = base.get_decoder()(input_ids=input_ids, position_ids=positions, cache=Record(states), use_cache=False)
+        states.hidden = out.last_hidden_state[0]  # (P, H)
+        return states
 
 
 def _trace_bounds(position_ids: torch.Tensor) -> dict[str, Any]:

@@ -14,11 +14,12 @@ So each unique token is computed once, the prefix's once per family, with no (T,
 gets what it would get alone, up to float rounding.
 
 A family whose tails do not fit one micro-batch is split into chunks, consecutive micro-batches of one rank (train/
-data.py). The first chunk computes the prefix (with its autograd graph, when training), keeps it, and trains the
-tokens inside it. The chunks before the last read detached copies, whose ``.grad`` gathers what their losses send
-back to the prefix; the last reads the live prefix and adds ``sum(live * gathered)`` (value zero) to its loss, so
-one backward pass takes every chunk's gradient through the prefix, once. With LoRA dropout, every chunk sees the one
-prefix the first computed.
+data.py). The first chunk computes the prefix's values (no graph) and trains the tokens inside it; it and the chunks
+before the last read detached copies, whose ``.grad`` gathers what their losses send back to the prefix. The last
+computes the prefix again, with its graph, and its loss's backward hands the live prefix what was gathered
+(``bridge_gradient``): one backward pass through the prefix for the whole family, and no pass's graph outlives it
+(FSDP reshards after each). A multi-chunk family costs one more forward of its prefix. With LoRA dropout, the last
+chunk's prefix is another draw than the one the earlier chunks read.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Branch", "PrefixStates", "Record", "SharedPrefix"]
+__all__ = ["Branch", "PrefixStates", "Record", "SharedPrefix", "bridge_gradient"]
 
 
 @dataclasses.dataclass
@@ -75,15 +76,34 @@ class PrefixStates:
         )
 
 
-def gradient_bridge(live: PrefixStates, read: PrefixStates) -> torch.Tensor | None:
-    """``sum(live * read.grad)``: backpropagated, it sends the live prefix the gradient the chunks that read the
-    detached copies ``read`` gathered; None when they gathered none."""
-    terms = [
-        (t * r.grad).sum()
+class _Bridge(torch.autograd.Function):
+    """The identity on a loss, whose backward also hands each live prefix tensor the gradient gathered for it: as
+    gathered, already scaled as every chunk's loss is (the scripts scale each by the process count), so it is not
+    scaled again by the loss it rides on."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, gathered: tuple[torch.Tensor, ...], *live: torch.Tensor) -> torch.Tensor:
+        ctx.gathered = gathered
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (grad, None, *ctx.gathered)
+
+
+def bridge_gradient(loss: torch.Tensor, live: PrefixStates, read: PrefixStates) -> torch.Tensor:
+    """``loss``, through whose backward the live prefix also gets what the earlier chunks sent its detached copies
+    ``read`` (their ``.grad``): one backward pass through the prefix for every chunk of the family."""
+    pairs = [
+        (t, r.grad)
         for t, r in zip(live.tensors(), read.tensors(), strict=True)
         if r.grad is not None and t.requires_grad
     ]
-    return torch.stack(terms).sum() if terms else None
+    if not pairs:
+        return loss
+    gathered = tuple(g for _, g in pairs)
+    bridged: torch.Tensor = _Bridge.apply(loss, gathered, *(t for t, _ in pairs))  # type: ignore[no-untyped-call]
+    return bridged
 
 
 class Record:

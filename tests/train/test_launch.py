@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from eval.procs import stop_tree
-from tests.train.helpers import groups, write
+from tests.train.helpers import groups, trace, write
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_TIMEOUT = 300  # a hang in a collective fails here; a busy 2-core box needs far less than this (~10 s)
@@ -161,3 +161,30 @@ def test_sft_over_two_processes_equals_one_when_a_rank_has_no_trace_at_all(
         launch(config, 2, "train/sft.py", args, tmp_path / config)
         assert_same_adapter(tmp_path / "one", tmp_path / config)
         assert steps_logged(tmp_path / config) == steps_logged(tmp_path / "one")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * LAUNCH_TIMEOUT + 60)
+def test_shared_prefix_chunks_over_two_processes_with_ddp_equal_one_and_fsdp_is_refused(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    # Each task's samples share a 14-token prompt; at 32 tokens a micro-batch the 4 tails of 10 go in 4 chunks, the
+    # prefix's gradient gathered by the first three and sent by the last, all on one rank while the other runs
+    # padding passes. The gathered gradient is scaled once, by the process count, as every pass's loss is.
+    rows = []
+    for t, (task, rewards) in enumerate({"a": [1, 0, 0, 1], "b": [0, 1, 1]}.items()):
+        prompt = [(20 + 31 * t + k) % 4000 for k in range(14)]
+        for i, reward in enumerate(rewards):
+            own = [(500 + 17 * t + 7 * i + k) % 4000 for k in range(2)]
+            response = [(900 + 11 * t + 5 * i + k) % 4000 for k in range(8)]
+            rows.append(trace(session=f"{task}-{i}", task=task, prompt=prompt + own, response=response, reward=reward))
+    args = ["--trajectories", str(write(tmp_path / "t.parquet", rows)), "--model", str(tiny_model_dir)]
+    args += ["--groups-per-step", "1", "--max-len", "32", "--micro-batch-tokens", "32", "--lr", "0.01"]
+    args += ["--lora-r", "4", "--save-every", "0", "--share-prefix"]
+    launch("cpu.yaml", 1, "train/grpo.py", args, tmp_path / "one")
+    assert steps_logged(tmp_path / "one") == [0, 1, 2]
+    launch("ddp.yaml", 2, "train/grpo.py", args, tmp_path / "ddp")
+    assert_same_adapter(tmp_path / "one", tmp_path / "ddp")
+    # FSDP all-gathers each layer's weights at each decoder call: a shared-prefix pass makes two, a padding pass one
+    with pytest.raises(AssertionError, match="sharded weights"):
+        launch("fsdp.yaml", 2, "train/grpo.py", args, tmp_path / "fsdp")
