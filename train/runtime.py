@@ -296,9 +296,10 @@ def start(cfg: DataclassInstance, seed: int) -> Accelerator:
     accelerator = launch.accelerator()
     set_seed(seed)
     accelerator.print("\n".join(f"{k:>22} | {v}" for k, v in dataclasses.asdict(cfg).items()))
-    sharded = accelerator.is_fsdp2 or (
-        accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3  # type: ignore[union-attr]
+    deepspeed = (
+        accelerator.state.deepspeed_plugin if accelerator.distributed_type == DistributedType.DEEPSPEED else None
     )
+    sharded = accelerator.is_fsdp2 or (deepspeed is not None and deepspeed.zero_stage == 3)
     if getattr(cfg, "share_prefix", False) and sharded and accelerator.num_processes > 1:
         # A shared-prefix pass runs the decoder twice (prefix, tails), a plain or padding pass once: the per-layer
         # all-gathers of sharded weights would no longer line up across ranks (tests/train/test_launch.py).
