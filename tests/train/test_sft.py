@@ -105,7 +105,9 @@ def test_step_loss_is_the_nll_of_taught_tokens_by_hand(tmp_path, tiny_model_dir,
     assert cut["truncated"] == 1
     mbs = sft.rank_micro_batches(traces, sft.AGGREGATIONS[loss_agg], cfg, rank=0, world=1, batching="packed")
     assert len(mbs) > 1
-    assert sum(mb.computed_tokens() for mb in mbs) == sum(len(t.tokens) for t in traces) - 6 * share_prefix
+    # the shared family's 6 prefix tokens: backward once, forward in both of its chunks (as many tokens as unshared)
+    assert sum(mb.computed_tokens() for mb in mbs) == sum(len(t.tokens) for t in traces)
+    assert sum(mb.prefix is not None for mb in mbs) == 2 * share_prefix
     total = sum(sft.accumulate(Accelerator(), policy, mb, runtime.StepStats()) for mb in mbs)
 
     by_session: dict[str, list[float]] = {}
