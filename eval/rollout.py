@@ -198,7 +198,7 @@ def _tail(text: str) -> str:
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +212,7 @@ class Job:
 def roll_out(job: Job, args: Args, work_root: Path, logs: Path) -> dict[str, Any]:
     """One session, start to patch, in ``args.runtime``; returns its sessions-table row. Never raises: a failure
     is a status."""
+    started = time.monotonic()
     row: dict[str, Any] = {
         "session_id": job.session_id,
         "task_id": job.task["instance_id"],
@@ -221,7 +222,9 @@ def roll_out(job: Job, args: Args, work_root: Path, logs: Path) -> dict[str, Any
         "status": "setup_failed",
         "exit_code": None,
         "started_at": _now(),
+        "setup_s": None,
         "duration_s": None,
+        "patch_s": None,
         "patch": "",
         "error": None,
     }
@@ -232,7 +235,9 @@ def roll_out(job: Job, args: Args, work_root: Path, logs: Path) -> dict[str, Any
         with contextlib.ExitStack() as stack:
             try:
                 if args.transparent:  # on this machine only (Args refuses another runtime)
-                    run = _run_transparent(job, args, work)
+                    repo = checkout(job.task, work / "repo")  # at base_commit: checkout checks it
+                    row["setup_s"] = time.monotonic() - started
+                    run = _run_transparent(job, args, repo, work)
                     box = None
                 else:
                     box = stack.enter_context(
@@ -255,14 +260,17 @@ def roll_out(job: Job, args: Args, work_root: Path, logs: Path) -> dict[str, Any
                         command=args.command,
                         system_path=box.system_path,
                     )
+                    row["setup_s"] = time.monotonic() - started
                     run = box.run(args.harness, argv, env, args.timeout)
             except Exception as e:  # noqa: BLE001 - checkout, image or launch: the harness never ran
+                row["setup_s"] = row["setup_s"] or time.monotonic() - started
                 row["error"] = f"{type(e).__name__}: {e}"[-ERROR_TAIL:]
                 (log_dir / "setup_error.txt").write_text(traceback.format_exc())
                 return row
             (log_dir / "stdout.txt").write_text(run.stdout)
             (log_dir / "stderr.txt").write_text(run.stderr)
             row |= {"exit_code": run.exit_code, "duration_s": run.duration_s}
+            patch_started = time.monotonic()
             try:
                 row["patch"] = (
                     box.patch(job.task["base_commit"]) if box else take_patch(work / "repo", job.task["base_commit"])
@@ -271,6 +279,7 @@ def roll_out(job: Job, args: Args, work_root: Path, logs: Path) -> dict[str, Any
                 row |= {"status": "crashed", "error": f"could not take the patch: {_tail(str(e))}"}
                 return row
             finally:
+                row["patch_s"] = time.monotonic() - patch_started
                 if args.keep_workspaces and box is not None:
                     box.keep(work)
         if run.timed_out:
@@ -287,9 +296,8 @@ def roll_out(job: Job, args: Args, work_root: Path, logs: Path) -> dict[str, Any
             shutil.rmtree(work, ignore_errors=True)
 
 
-def _run_transparent(job: Job, args: Args, work: Path) -> HarnessRun:
+def _run_transparent(job: Job, args: Args, repo: Path, work: Path) -> HarnessRun:
     assert args.ca_cert is not None
-    repo = checkout(job.task, work / "repo")  # at base_commit: checkout checks it
     return run_transparent(
         args.harness,
         instruction(job.task),

@@ -8,8 +8,9 @@
 
 ``sessions.parquet`` is written by ``python -m eval rollout`` and ``rewards.parquet`` by ``python -m eval score``;
 ``python -m reconstruct --sessions RUN_DIR/sessions.parquet`` maps sessions to tasks in the trajectories, and
-``python -m eval join`` fills their rewards. Format version 1 of both, stored in the Parquet key-value metadata
-under ``polar.run.version``. Writes are atomic (``reconstruct.files``: temporary file, then rename).
+``python -m eval join`` fills their rewards. The format version is stored in the Parquet key-value metadata under
+``polar.run.version``: 1 for rewards, 2 for sessions (2 added ``setup_s`` and ``patch_s``; a version-1 sessions
+table reads with them null). Writes are atomic (``reconstruct.files``: temporary file, then rename).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from eval.errors import EvalError
 from reconstruct.files import conform_table, read_versioned_parquet, write_versioned_parquet
 
 FORMAT_VERSION = 1
+SESSIONS_VERSION = 2
 VERSION_KEY = "polar.run.version"
 
 TASKS = "tasks.jsonl"
@@ -40,8 +42,10 @@ SESSIONS_SCHEMA = pl.Schema(
         "model": pl.String,  # model name the harness was told to use
         "status": pl.String,  # one of SESSION_STATUSES
         "exit_code": pl.Int32,  # null when killed at the timeout or never started
-        "started_at": pl.String,  # UTC, ISO 8601
-        "duration_s": pl.Float64,  # harness wall time
+        "started_at": pl.String,  # UTC, ISO 8601, to the millisecond: the session's start, before its setup
+        "setup_s": pl.Float64,  # checkout or container start, until the harness is launched (or setup failed)
+        "duration_s": pl.Float64,  # harness wall time, from its launch
+        "patch_s": pl.Float64,  # taking the patch after the harness exited; null when it never ran
         "patch": pl.String,  # `git diff --cached --binary` of the workspace, harness folders dropped; "" if none
         "error": pl.String,  # why a session is not "ok" (last lines of stderr, setup failure); null when ok
     }
@@ -67,13 +71,13 @@ class RunError(EvalError):
     """A run table that does not match its schema; the message names the file and the column."""
 
 
-def _write(df: pl.DataFrame, schema: pl.Schema, path: Path) -> Path:
+def _write(df: pl.DataFrame, schema: pl.Schema, path: Path, version: int = FORMAT_VERSION) -> Path:
     table = conform_table(df, schema, source=str(path), kind="run", error=RunError)
-    return write_versioned_parquet(table, path, VERSION_KEY, FORMAT_VERSION)
+    return write_versioned_parquet(table, path, VERSION_KEY, version)
 
 
-def _read(path: Path, schema: pl.Schema) -> pl.DataFrame:
-    table = read_versioned_parquet(path, VERSION_KEY, FORMAT_VERSION, kind="run table", error=RunError)
+def _read(path: Path, schema: pl.Schema, version: int = FORMAT_VERSION) -> pl.DataFrame:
+    table = read_versioned_parquet(path, VERSION_KEY, version, kind="run table", error=RunError)
     return conform_table(table, schema, source=str(path), kind="run", error=RunError)
 
 
@@ -81,11 +85,20 @@ def write_sessions(df: pl.DataFrame, run_dir: Path) -> Path:
     bad = set(df["status"].to_list()) - set(SESSION_STATUSES) if "status" in df.columns else set()
     if bad:
         raise RunError(f"{Path(run_dir) / SESSIONS}: status {sorted(bad)} not in {SESSION_STATUSES}")
-    return _write(df, SESSIONS_SCHEMA, Path(run_dir) / SESSIONS)
+    return _write(df, SESSIONS_SCHEMA, Path(run_dir) / SESSIONS, SESSIONS_VERSION)
 
 
 def read_sessions(run_dir: Path) -> pl.DataFrame:
-    return _read(Path(run_dir) / SESSIONS, SESSIONS_SCHEMA)
+    path = Path(run_dir) / SESSIONS
+    try:
+        version = pl.read_parquet_metadata(path).get(VERSION_KEY)
+    except (OSError, pl.exceptions.ComputeError):
+        version = None  # read_versioned_parquet names the problem
+    if version == "1":  # before the setup and patch times
+        table = read_versioned_parquet(path, VERSION_KEY, 1, kind="run table", error=RunError)
+        table = table.with_columns(pl.lit(None, pl.Float64).alias(c) for c in ("setup_s", "patch_s"))
+        return conform_table(table, SESSIONS_SCHEMA, source=str(path), kind="run", error=RunError)
+    return _read(path, SESSIONS_SCHEMA, SESSIONS_VERSION)
 
 
 def write_rewards(df: pl.DataFrame, run_dir: Path) -> Path:

@@ -110,9 +110,9 @@ class MicroBatch:
         return dataclasses.replace(self, **moved)
 
     def computed_tokens(self) -> int:
-        """The tokens this pass runs through the model: its rows, padding included, and a prefix it computes (a
-        family's first pass, and its last when training: train/prefix.py)."""
-        runs_prefix = self.prefix is not None and (self.prefix.first or self.prefix.last)
+        """The tokens this pass runs through the model: its rows, padding included, and the prefix where it computes
+        it (a family's first pass: train/prefix.py)."""
+        runs_prefix = self.prefix is not None and self.prefix.first
         return self.input_ids.numel() + (self.prefix.input_ids.shape[1] if runs_prefix and self.prefix else 0)
 
 
@@ -401,8 +401,7 @@ def rank_micro_batches(
     weighs each trace's tokens from its session and trained-token count (``norm_tokens``: dr_grpo's constant).
     ``share_prefix`` computes each family's shared prefix once (see the module doc); ``padded`` puts one trace in a
     row instead of packing, up to ``budget`` tokens a micro-batch with the padding. Ranks are balanced by the
-    tokens their passes compute, padding included; a family's prefix counts once (its backward runs once; the
-    extra forward of a family of several chunks is left out)."""
+    tokens their passes compute, padding included; a family's prefix counts once."""
     sessions = np.array([t.session for t in step_traces])  # (M,)
     n_trained = np.array([len(t.trained) for t in step_traces])  # (M,)
     weights = aggregate(sessions, n_trained, norm_tokens)  # (M,) per-token loss weight of each trace

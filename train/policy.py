@@ -128,9 +128,9 @@ class Policy(torch.nn.Module):
         self.chunk, self.temperature = cfg.logprob_chunk, cfg.temperature
         # FSDP wraps the layers the model says must not be split (its decoder layers).
         self._no_split_modules = list(getattr(peft_model.get_base_model(), "_no_split_modules", None) or [])
-        # Prefixes computed by a family's first chunk for its later ones (train/prefix.py), detached, by (family,
-        # reference, gradients on).
-        self._prefixes: dict[tuple[int, bool, bool], PrefixStates] = {}
+        # Prefixes computed by a family's first chunk for its later ones (train/prefix.py): the live states and their
+        # detached copies, by (family, reference, gradients on).
+        self._prefixes: dict[tuple[int, bool, bool], tuple[PrefixStates, PrefixStates]] = {}
 
     def forward(
         self,
@@ -191,22 +191,22 @@ class Policy(torch.nn.Module):
         earlier ones read, whose gathered gradient its loss hands on (train/prefix.py)."""
         grad = torch.is_grad_enabled()
         key = (prefix.family, reference, grad)
-        if prefix.first and prefix.last:
-            return self._prefix(base, prefix.input_ids), None
         if prefix.first:
-            with torch.no_grad():  # values only: the last chunk computes the prefix again, with its graph
-                read = self._prefix(base, prefix.input_ids).detached(requires_grad=grad)
-            self._prefixes[key] = read
+            states = self._prefix(base, prefix.input_ids)
+            if prefix.last:
+                return states, None
+            # The live states (with their graph when training) wait for the last chunk; the chunks before it read
+            # detached copies, so the backward runs through the prefix once.
+            read = states.detached(requires_grad=grad)
+            self._prefixes[key] = (states, read)
             return read, None
         if key not in self._prefixes:
             raise RuntimeError(f"a later chunk of shared-prefix family {prefix.family} came before its first chunk")
-        read = self._prefixes[key]
+        live, read = self._prefixes[key]
         if not prefix.last:
             return read, None
         del self._prefixes[key]
-        if not grad:
-            return read, None
-        return self._prefix(base, prefix.input_ids), read
+        return (live, read) if grad else (read, None)
 
     def _prefix(self, base: Any, input_ids: torch.Tensor) -> PrefixStates:
         """The (1, P) prefix through the decoder, every layer's states recorded."""

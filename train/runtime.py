@@ -301,8 +301,9 @@ def start(cfg: DataclassInstance, seed: int) -> Accelerator:
     )
     sharded = accelerator.is_fsdp2 or (deepspeed is not None and deepspeed.zero_stage == 3)
     if getattr(cfg, "share_prefix", False) and sharded and accelerator.num_processes > 1:
-        # A shared-prefix pass runs the decoder twice (prefix, tails), a plain or padding pass once: the per-layer
-        # all-gathers of sharded weights would no longer line up across ranks (tests/train/test_launch.py).
+        # A family's first pass runs the decoder twice (prefix, tails), other passes once, and its last pass's
+        # backward runs through the first's prefix: the per-layer all-gathers and reshards of sharded weights would
+        # no longer line up across ranks (tests/train/test_launch.py).
         raise TrainConfigError(
             "--share-prefix runs the decoder twice in some passes and once in others, which sharded weights "
             "(FSDP, DeepSpeed ZeRO-3) cannot follow across ranks: train without --share-prefix, or with DDP"

@@ -9,8 +9,18 @@ import polars as pl
 import pytest
 
 from eval import join, report
-from eval.runs import REWARDS_SCHEMA, SESSIONS_SCHEMA, RunError, write_rewards, write_sessions
+from eval.runs import (
+    REWARDS_SCHEMA,
+    SESSIONS,
+    SESSIONS_SCHEMA,
+    VERSION_KEY,
+    RunError,
+    read_sessions,
+    write_rewards,
+    write_sessions,
+)
 from reconstruct import schema
+from reconstruct.files import write_versioned_parquet
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -135,6 +145,19 @@ def test_join_refuses_two_rewards_for_one_session(tmp_path):
     run_tables(tmp_path, sessions=[("s-a", "task-a", 0)], rewards=twice)
     with pytest.raises(RunError, match=r"rewards.parquet: more than one reward for sessions \['s-a'\]"):
         join.join(traces(("s-a", None, None)), tmp_path)
+
+
+def test_a_version_1_sessions_table_reads_with_null_phase_times_and_another_version_is_refused(tmp_path):
+    run_tables(tmp_path, sessions=[("s-a", "task-a", 0)], rewards=[("s-a", "task-a", 0, 1.0)])
+    path = tmp_path / SESSIONS
+    version_1 = read_sessions(tmp_path).drop("setup_s", "patch_s")
+    write_versioned_parquet(version_1, path, VERSION_KEY, 1)
+    old = read_sessions(tmp_path)
+    assert old.columns == list(SESSIONS_SCHEMA) and old.row(0, named=True)["setup_s"] is None
+    assert old["duration_s"].to_list() == [1.0]
+    write_versioned_parquet(version_1, path, VERSION_KEY, 3)
+    with pytest.raises(RunError, match=r"sessions\.parquet: run table format version '3', expected 2"):
+        read_sessions(tmp_path)
 
 
 def test_pass_at_k_matches_the_codex_paper_estimator():

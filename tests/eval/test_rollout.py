@@ -6,6 +6,7 @@ The reference server replays one script for every session, so its one tool call 
 the workspace is at: the gold patch on the first task (resolved), a wrong edit on the second (unresolved).
 """
 
+import datetime
 import json
 import shlex
 import subprocess
@@ -101,6 +102,13 @@ def test_mini_and_shell_rollouts_line_up_with_captures_rewards_and_traces(proxy,
             # Every model call of the session was captured under its id: two tool calls, then the answer.
             records = read_records(proxy.captures, session=row["session_id"], expect=3)
             assert [(r["session_source"], r["status"], r["complete"]) for r in records] == [("api_key", 200, True)] * 3
+            # Its phases line up with its calls: setup, then the harness (every call inside it), then the patch.
+            start = datetime.datetime.fromisoformat(row["started_at"]).timestamp()
+            launched = start + row["setup_s"]
+            assert min(row["setup_s"], row["patch_s"], row["duration_s"]) > 0
+            assert (
+                launched - 0.01 <= records[0]["t_start"] <= records[-1]["t_end"] <= launched + row["duration_s"] + 0.01
+            )
             assert [t["function"]["name"] for t in records[0]["request"]["tools"]] == ["bash"]
             results = [m["content"] for m in records[2]["request"]["messages"] if m["role"] == "tool"]
             assert results[0].startswith("error: unknown tool 'python'")

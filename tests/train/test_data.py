@@ -282,17 +282,16 @@ def test_collate_family_puts_tails_in_rows_after_the_prefix_and_trains_the_prefi
     assert first.behav_logp.tolist() == [-1.0, -3.0, -4.0, -5.0, -2.0]
     assert last.input_ids.tolist() == [[7]] and last.position_ids.tolist() == [[2]]
     assert last.sel.tolist() == [] and last.targets.tolist() == []  # b's only trained token is in the prefix
-    assert first.computed_tokens() == 2 + 6 and last.computed_tokens() == 2 + 1  # both run the prefix
+    assert first.computed_tokens() == 2 + 6 and last.computed_tokens() == 1  # the first runs the prefix
 
 
 def test_a_family_is_shared_only_where_it_computes_fewer_tokens_and_its_chunks_stay_together():
     a, b, c = shared_traces()
     aggregate = losses.AGGREGATIONS["token_mean"]
     # budget 6: tails of 2, 1 and 3 tokens in chunks of at most 4 -> [c], [a, b]: 2 + 3 + 2 * 2 = 9 < 12 computed
-    # with the prefix's backward once (its forward runs again in the last chunk: 11 tokens through the model)
     mbs = data.rank_micro_batches([a, b, c], aggregate, 10, 6, rank=0, world=1, share_prefix=True)
     assert [(mb.prefix.first, mb.prefix.last) for mb in mbs] == [(True, False), (False, True)]
-    assert sum(mb.computed_tokens() for mb in mbs) == 11
+    assert sum(mb.computed_tokens() for mb in mbs) == 9
     # without a shared prompt worth its padding (1 token of 4 and 5), the traces are packed as they are
     d = dataclasses.replace(c, tokens=np.array([1, 9, 5, 6, 8]))
     (mb,) = data.rank_micro_batches([a, d], aggregate, 10, 9, rank=0, world=1, share_prefix=True)
