@@ -10,8 +10,9 @@ is split by its row in sessions.parquet (``setup_s``, ``duration_s``, ``patch_s`
 
 - **setup**: the checkout (local) or the container's start (docker), until Pi is launched;
 - **start-up**: Pi's launch until its first request reaches the proxy (Node's start, Pi's own, its first prompt);
-- **to first byte**: each call's request until the first streamed byte: the server's prefill, and its queue;
-- **streaming**: first byte to the end of each call: decoding, one token at a time, in the server's batch;
+- **to first token**: each call's request until its first token arrives (the second chunk of the stream, after
+  the role chunk the server sends at once): waiting for the server's batch, and the prefill;
+- **decoding**: the first token to the end of each call, one token at a time, in the server's batch;
 - **between calls**: Pi running its tools and building the next request;
 - **exit**: the last call's end until Pi has exited;
 - **patch**: ``git diff`` of the workspace.
@@ -51,7 +52,7 @@ from tests.captures import read_records
 from train.precision import cpu_name
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ("setup", "start-up", "to first byte", "streaming", "between calls", "exit", "patch")
+PARTS = ("setup", "start-up", "to first token", "decoding", "between calls", "exit", "patch")
 
 
 @dataclasses.dataclass
@@ -88,6 +89,13 @@ def node_start_seconds(runs: int) -> list[float]:
     return times
 
 
+def first_token(call: dict[str, Any]) -> float:
+    """When a call's first token arrived: its stream's second chunk (the first is the role chunk, sent before the
+    prefill); the end of a call with fewer chunks."""
+    chunks = call["chunks"] or []
+    return call["t_start"] + chunks[1][0] / 1000 if len(chunks) > 1 else call["t_end"]
+
+
 def session_parts(row: dict[str, Any], calls: list[dict[str, Any]]) -> dict[str, float] | None:
     """One session's seconds per part (PARTS), plus its wall time and its calls' sum; None if it made no call or
     its harness never ran."""
@@ -95,12 +103,12 @@ def session_parts(row: dict[str, Any], calls: list[dict[str, Any]]) -> dict[str,
         return None
     launched = datetime.datetime.fromisoformat(row["started_at"]).timestamp() + row["setup_s"]
     ended = launched + row["duration_s"]
-    firsts = [c["t_first_byte"] if c["t_first_byte"] is not None else c["t_end"] for c in calls]
+    firsts = [first_token(c) for c in calls]
     return {
         "setup": row["setup_s"],
         "start-up": calls[0]["t_start"] - launched,
-        "to first byte": sum(f - c["t_start"] for c, f in zip(calls, firsts, strict=True)),
-        "streaming": sum(c["t_end"] - f for c, f in zip(calls, firsts, strict=True)),
+        "to first token": sum(f - c["t_start"] for c, f in zip(calls, firsts, strict=True)),
+        "decoding": sum(c["t_end"] - f for c, f in zip(calls, firsts, strict=True)),
         "between calls": sum(b["t_start"] - a["t_end"] for a, b in itertools.pairwise(calls)),
         "exit": ended - calls[-1]["t_end"],
         "patch": row["patch_s"],

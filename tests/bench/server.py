@@ -49,6 +49,7 @@ from rich.console import Console
 from eval.procs import ReferenceServer
 from tests.bench import report
 from tests.bench.procs import cpu_seconds
+from train.precision import cpu_name
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPICS = ["a lighthouse", "a dragon", "a robot", "a garden", "a mountain", "a river", "a castle", "a train"]
@@ -73,6 +74,12 @@ class Config:
     """Completion tokens per request."""
     concurrency: int = 8
     """Requests sent at once in the concurrent measurement."""
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    """The server's --dtype for the Pi-shaped measurement, one server each (() skips it)."""
+    pi_requests: int = 16
+    """Pi-shaped: requests sent at once (the demo's concurrency), each ~1,600 shared prompt tokens + its own."""
+    pi_tokens: int = 96
+    """Pi-shaped: completion tokens per request at most (the demo's cap)."""
 
 
 @dataclasses.dataclass
@@ -86,11 +93,12 @@ def messages(topic: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"Write a long story about {topic}."}]
 
 
-def ask(client: httpx.Client, url: str, topic: str, tokens: int) -> Answer:
-    """One streamed greedy request with the fields the capture proxy adds; its token ids and log-probs."""
+def ask(client: httpx.Client, url: str, topic: str, tokens: int, chat: list[dict[str, str]] | None = None) -> Answer:
+    """One streamed greedy request with the fields the capture proxy adds; its token ids and log-probs. ``chat``:
+    these messages instead of the story prompt, which may end before ``tokens``."""
     body = {
         "model": "bench",
-        "messages": messages(topic),
+        "messages": chat or messages(topic),
         "max_tokens": tokens,
         "temperature": 0,
         "stream": True,
@@ -109,7 +117,7 @@ def ask(client: httpx.Client, url: str, topic: str, tokens: int) -> Answer:
                 token_ids += choice.get("token_ids") or []
                 logprobs += [entry["logprob"] for entry in (choice.get("logprobs") or {}).get("content") or []]
     seconds = time.perf_counter() - t0
-    if len(token_ids) != tokens or len(logprobs) != tokens:
+    if chat is None and (len(token_ids) != tokens or len(logprobs) != tokens):
         raise RuntimeError(
             f"the prompt about {topic} got {len(token_ids)} token ids and {len(logprobs)} log-probs, not {tokens}: "
             "it stopped early, so requests are not of one length; pick another prompt"
@@ -117,14 +125,16 @@ def ask(client: httpx.Client, url: str, topic: str, tokens: int) -> Answer:
     return Answer(token_ids, logprobs, seconds)
 
 
-def concurrently(url: str, topics: list[str], tokens: int) -> tuple[list[Answer], float]:
+def concurrently(
+    url: str, topics: list[str], tokens: int, chats: list[list[dict[str, str]]] | None = None
+) -> tuple[list[Answer], float]:
     """All requests at once, one connection each; the answers and the wall time from the first send to the last end."""
     answers: list[Answer | BaseException | None] = [None] * len(topics)
     clients = [httpx.Client(timeout=httpx.Timeout(600.0, connect=30.0)) for _ in topics]
 
     def one(i: int) -> None:
         try:
-            answers[i] = ask(clients[i], url, topics[i], tokens)
+            answers[i] = ask(clients[i], url, topics[i], tokens, chats[i] if chats else None)
         except BaseException as e:  # noqa: BLE001 - re-raised in the main thread below
             answers[i] = e
 
@@ -212,6 +222,29 @@ def run_rounds(cfg: Config, console: Console, tmp: Path) -> dict[str, Any]:
         server.stop()
     engine_line = re.search(r"^engine: .*$", server.output(), re.MULTILINE)
     return {"rounds": rounds, "engine": engine_line.group(0) if engine_line else None}
+
+
+def pi_shaped(cfg: Config, console: Console, tmp: Path) -> list[list[str]]:
+    """Per --dtype: a server of its own, then ``pi_requests`` requests at once that share a ~1,600-token system
+    prompt (Pi's shape, cached after a warm-up request) and differ in their question; greedy, at most ``pi_tokens``
+    each. Rows: dtype, wall seconds, tokens, aggregate tokens/s, the engine's log line."""
+    system = " ".join(f"Rule {i}: keep the tests green, edit only what the task names." for i in range(120))
+    chats = [
+        [{"role": "system", "content": system}, {"role": "user", "content": f"Write a long story about {topic}."}]
+        for topic in (TOPICS * cfg.pi_requests)[: cfg.pi_requests]
+    ]
+    topics = [c[1]["content"] for c in chats]
+    rows = []
+    for dtype in cfg.dtypes:
+        with ReferenceServer(cfg.model, log=tmp / f"server-{dtype}.log", dtype=dtype) as server:
+            concurrently(server.url, topics[:1], cfg.pi_tokens, chats[:1])  # the shared prompt into the cache
+            answers, seconds = concurrently(server.url, topics, cfg.pi_tokens, chats)
+            engine = re.search(r"^engine: .*$", server.output(), re.MULTILINE)
+        tokens = sum(len(a.token_ids) for a in answers)
+        console.print(f"  Pi-shaped, {dtype}: {cfg.pi_requests} requests, {tokens} tokens in {seconds:.1f} s")
+        line = engine.group(0) if engine else "-"
+        rows.append([dtype, f"{seconds:.1f}", str(tokens), f"{tokens / seconds:.1f}", line])
+    return rows
 
 
 def _since(c0: float | None, server: ReferenceServer) -> float | None:
@@ -334,12 +367,20 @@ def main(cfg: Config) -> int:
     console.print(f"[bold]reference server: {cfg.concurrency} concurrent requests vs one, {cfg.model}[/]")
     with tempfile.TemporaryDirectory(prefix="polar-bench-server-") as tmp:
         result = run_rounds(cfg, console, Path(tmp))
+        by_dtype = pi_shaped(cfg, console, Path(tmp))
     result["summary"] = summary = summarize(result["rounds"])
     verdicts = evaluate(summary, cfg.concurrency)
     note_lines = notes(cfg, result, time.monotonic() - t0, (load0, os.getloadavg()[0]))
+    note_lines.append(
+        f"Pi-shaped (third table): {cfg.pi_requests} greedy requests at once sharing a ~1,600-token system prompt "
+        f"(cached by a warm-up request), at most {cfg.pi_tokens} tokens each, one server per --dtype; the CPU: "
+        f"{cpu_name()}."
+    )
     out = cfg.out if cfg.out.is_absolute() else ROOT / cfg.out
-    data = {**result, "targets": verdicts}
-    report.write_results(console, out, cfg, tables(summary, verdicts, cfg.concurrency), note_lines, data)
+    data = {**result, "targets": verdicts, "pi_shaped": by_dtype}
+    head = ["--dtype", "wall s", "tokens", "tokens/s", "engine"]
+    shown = [*tables(summary, verdicts, cfg.concurrency), *([(head, by_dtype)] if by_dtype else [])]
+    report.write_results(console, out, cfg, shown, note_lines, data)
     console.print(f"wrote {out} and {out.with_suffix('.json')} in {time.monotonic() - t0:.0f} s")
     return 0
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from eval.upstream.engine import Detokenizer, Engine, Sampling, generate
+from eval.upstream.engine import Detokenizer, Engine, Sampling, generate, serving_attention
 from eval.upstream.toolparse import Content, ToolCall
 
 
@@ -52,6 +52,26 @@ def test_top_logprobs_minus_one_is_the_whole_vocabulary(engine):
     assert len(top) == engine.model.config.vocab_size
     assert top[0]["logprob"] == piece.logprob["logprob"]  # greedy picks the best token
     assert abs(sum(torch.tensor([t["logprob"] for t in top]).exp().tolist()) - 1) < 1e-4
+
+
+def test_a_bf16_decode_step_attends_as_fp32_sdpa_does_and_fp32_takes_sdpa_itself():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = torch.nn.Module()
+    module.num_key_value_groups = 3  # 6 query heads on 2 key/value heads
+    g = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(shape, generator=g) for shape in ((3, 6, 1, 16), (3, 2, 9, 16), (3, 2, 9, 16)))
+    mask = torch.ones(3, 1, 1, 9, dtype=torch.bool)
+    mask[0, ..., :4] = False  # row 0 left-padded by 4
+    expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)  # (B, 1, H, D)
+    bf16 = [t.bfloat16() for t in (query, key, value)]
+    out, _ = serving_attention(module, *bf16, mask, scaling=0.25)
+    assert out.dtype is torch.bfloat16 and out.shape == expected.shape
+    assert (out.float() - expected).abs().max() < 2e-2  # bf16's rounding of the inputs and the output
+    padded = mask.clone()
+    padded[0, ..., :4] = True  # the padding, attended: row 0 changes, so the mask was applied
+    assert (serving_attention(module, *bf16, padded, scaling=0.25)[0][0] - out[0]).abs().max() > 1e-2
+    assert torch.equal(serving_attention(module, query, key, value, mask, scaling=0.25)[0], expected)
 
 
 def test_bf16_weights_serve_fp32_log_probs_near_the_fp32_ones(tiny_model_dir, engine):
