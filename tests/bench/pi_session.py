@@ -47,8 +47,9 @@ from eval.harness.presets import base_env
 from eval.procs import Mitmdump, ReferenceServer, new_secret_file
 from eval.runs import read_sessions
 from eval.tasks import load_tasks
+from tests.bench.procs import cpu_seconds
 from tests.bench.report import percentile, write_results
-from tests.captures import read_records
+from tests.captures import read_records, sse_events
 from train.precision import cpu_name
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,6 +97,14 @@ def first_token(call: dict[str, Any]) -> float:
     return call["t_start"] + chunks[1][0] / 1000 if len(chunks) > 1 else call["t_end"]
 
 
+def completion_tokens(call: dict[str, Any]) -> int:
+    """The tokens a streamed call generated: its usage chunk's count (the proxy asks for usage)."""
+    usage = [e["usage"] for e in sse_events(call["response_body"] or "") if e.get("usage")]
+    if not usage:
+        raise RuntimeError(f"call {call['id']} has no usage in its stream")
+    return int(usage[-1]["completion_tokens"])
+
+
 def session_parts(row: dict[str, Any], calls: list[dict[str, Any]]) -> dict[str, float] | None:
     """One session's seconds per part (PARTS), plus its wall time and its calls' sum; None if it made no call or
     its harness never ran."""
@@ -115,6 +124,7 @@ def session_parts(row: dict[str, Any], calls: list[dict[str, Any]]) -> dict[str,
         "calls": sum(c["t_end"] - c["t_start"] for c in calls),
         "wall": row["setup_s"] + row["duration_s"] + row["patch_s"],
         "n_calls": float(len(calls)),
+        "tokens": float(sum(completion_tokens(c) for c in calls)),
     }
 
 
@@ -134,11 +144,19 @@ def roll_out(cfg: Config, server: ReferenceServer, ids: list[str], concurrency: 
             str(cfg.timeout),
         ]
         command += ["--proxy", proxy.url, "--session-secret", str(secret)]
-        t0 = time.monotonic()
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+        t0, server_cpu = time.monotonic(), cpu_seconds(server.proc.pid) or 0.0
+        log = work / "rollout.log"
+        with log.open("w") as sink:
+            proc = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
+            _, status, usage = os.wait4(proc.pid, 0)  # its CPU time and its harnesses' (its waited-for children)
         rollout_s = time.monotonic() - t0
-        if done.returncode != 0:
-            raise RuntimeError(f"rollout at concurrency {concurrency} exited {done.returncode}:\n{done.stderr[-3000:]}")
+        cpu = {
+            "server": (cpu_seconds(server.proc.pid) or 0.0) - server_cpu,
+            "mitmdump": cpu_seconds(proxy.proc.pid) or 0.0,
+            "rollout and harnesses": usage.ru_utime + usage.ru_stime,
+        }
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise RuntimeError(f"rollout at concurrency {concurrency} failed:\n{log.read_text()[-3000:]}")
         sessions = read_sessions(work / "run")
         # The addon writes a record once its exchange ends: every session has ended, so wait only briefly.
         records = read_records(work / "captures", timeout=5.0)
@@ -151,7 +169,7 @@ def roll_out(cfg: Config, server: ReferenceServer, ids: list[str], concurrency: 
         if found is not None:
             parts.append(found)
     statuses = sessions["status"].value_counts().sort("status").rows()
-    return {"concurrency": concurrency, "rollout_s": rollout_s, "statuses": statuses, "sessions": parts}
+    return {"concurrency": concurrency, "rollout_s": rollout_s, "statuses": statuses, "sessions": parts, "cpu_s": cpu}
 
 
 def summary_rows(runs: list[dict[str, Any]]) -> list[list[str]]:
@@ -165,6 +183,9 @@ def summary_rows(runs: list[dict[str, Any]]) -> list[list[str]]:
             mean = statistics.fmean(xs)
             p90 = percentile(xs, 90) or 0.0
             rows.append([str(run["concurrency"]), name, f"{mean:.2f}", f"{p90:.2f}", f"{100 * mean / wall:.0f} %"])
+        tokens = statistics.fmean(p["tokens"] for p in parts)
+        per_token = 1000 * sum(p["decoding"] for p in parts) / max(1.0, sum(p["tokens"] - p["n_calls"] for p in parts))
+        rows.append([str(run["concurrency"]), "tokens generated", f"{tokens:.1f}", "", f"{per_token:.0f} ms a token"])
     return rows
 
 
@@ -211,6 +232,10 @@ def main(cfg: Config) -> int:
             + "."
         ),
         f"`pi --version` alone: {', '.join(f'{s:.2f}' for s in starts)} s (first to last).",
+        "CPU seconds a rollout (server: its process during the rollout; mitmdump: its process, which served only "
+        "that rollout; rollout and harnesses: the rollout process and every process it waited for): "
+        + "; ".join(f"at {r['concurrency']}: " + ", ".join(f"{k} {v:.0f}" for k, v in r["cpu_s"].items()) for r in runs)
+        + ".",
     ]
     out = cfg.out if cfg.out.is_absolute() else ROOT / cfg.out
     write_results(console, out, cfg, [(head, summary_rows(runs))], notes, {"node_start_s": starts, "runs": runs})
