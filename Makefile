@@ -93,6 +93,7 @@ check: $(STAMP)
 
 # Benchmarks, not tests: each prints a table and writes tests/bench/results/<name>.md and .json; the last prints every
 # target with PASS / MISS (results/summary.md). litellm builds .venv-litellm on first use; server needs models/smollm2;
+# pi_session installs the harness CLIs from npm on first use;
 # suite runs the whole test suite (minutes).
 bench: $(STAMP) models/smollm2
 	$(BIN)/python -m tests.bench.proxy
@@ -102,6 +103,7 @@ bench: $(STAMP) models/smollm2
 	$(BIN)/python -m tests.bench.train
 	$(BIN)/python -m tests.bench.prefix
 	$(BIN)/python -m tests.bench.dtype
+	$(BIN)/python -m tests.bench.pi_session
 	$(BIN)/python -m tests.bench.reliability
 	$(BIN)/python -m tests.bench.suite
 	$(BIN)/python -m tests.bench.summary

@@ -68,6 +68,24 @@ REQUIRED_FIELDS = (
 )  # fmt: skip
 TEST_LISTS = ("FAIL_TO_PASS", "PASS_TO_PASS")
 
+# The fields that name host folders, checkouts, containers and images, by strict grammars: none can climb out of a
+# folder (no "/" in an id, no component starting with "."), pass for a flag (no leading "-") or take another's name.
+_NAME = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}"
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"  # Docker's reference grammar (distribution/reference)
+_DOMAIN = r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*(?::[0-9]+)?/)"
+GRAMMARS = {
+    "instance_id": (re.compile(_NAME), "letters, digits, '_', '.', '-', starting with a letter or digit"),
+    "repo": (re.compile(rf"{_NAME}/{_NAME}"), "OWNER/NAME, each letters, digits, '_', '.', '-'"),
+    "base_commit": (re.compile(r"[0-9a-f]{40}"), "a full 40-hex-digit commit"),
+    "image": (
+        re.compile(
+            rf"{_DOMAIN}?{_COMPONENT}(?:/{_COMPONENT})*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{{0,127}})?(?:@sha256:[0-9a-f]{{64}})?"
+        ),
+        "a Docker image reference: [REGISTRY/]lowercase/path[:TAG][@sha256:DIGEST]",
+    ),
+}
+RESERVED_IMAGES = ("polar-base", "polar-env")  # eval/images.py's own layers: a task never names (or re-tags) them
+
 FAMILY = "family"  # load_tasks("family[:train|:heldout][@SEED]"): the generated family (eval/taskgen.py)
 
 
@@ -113,6 +131,19 @@ def validate(instance: dict[str, Any], source: str) -> dict[str, Any]:
     missing = [field for field in REQUIRED_FIELDS if instance.get(field) is None]
     if missing:
         raise TaskError(f"{name}: missing field(s) {missing}; a SWE-bench 5.x instance needs {list(REQUIRED_FIELDS)}")
+    for field, (grammar, expected) in GRAMMARS.items():
+        value = instance[field]
+        if not isinstance(value, str) or not grammar.fullmatch(value) or ".." in value:
+            raise TaskError(f"{name}: {field} {value!r} is not {expected}")
+    image, repo = instance["image"], instance["repo"]
+    if image.split(":")[0].split("@")[0] in RESERVED_IMAGES:
+        raise TaskError(f"{name}: image {image!r} is one of our own layers {list(RESERVED_IMAGES)}")
+    ours = (TOY_REPO_OWNER, taskgen.OWNER)
+    if (repo.partition("/")[0] in ours or image.partition("/")[0] in ours) and image != (
+        own := image_tag(repo, instance["base_commit"])
+    ):
+        # images build tags what it builds for our repositories with the task's image: no other task's name
+        raise TaskError(f"{name}: image {image!r} must be {own!r}, the image built for {repo} at its base_commit")
     out = dict(instance)
     for field in TEST_LISTS:
         value = instance[field]

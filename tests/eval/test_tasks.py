@@ -1,7 +1,9 @@
 """eval/tasks.py: the shipped toy suite, loading through swebench's loader, checkouts with stable hashes."""
 
 import json
+import os
 import subprocess
+import sys
 
 import datasets.config
 import polars as pl
@@ -86,6 +88,44 @@ def test_missing_field_names_the_file_instance_and_field(toy, tmp_path):
     with pytest.raises(TaskError, match=rf"{path}.*{toy[0]['instance_id']}.*'eval_script'"):
         load_tasks(path)
     assert load_tasks(path, check=False)[0]["instance_id"] == toy[0]["instance_id"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("instance_id", "../../../tmp/x"),
+        ("instance_id", "-rf"),
+        ("instance_id", "a/b"),
+        ("repo", "polar-toy/../../../../../tmp/x"),
+        ("repo", "/etc/passwd"),
+        ("repo", "polar-toy/.hidden"),
+        ("base_commit", "HEAD"),
+        ("base_commit", "9eaa7574aa43"),
+        ("image", "--privileged"),
+        ("image", "Polar-Toy/confit:1"),
+        ("image", "polar-env:0123456789ab"),
+        ("image", "polar-base:bookworm-0123"),
+        ("image", "polar-toy/../x:1"),
+        ("image", "polar-toy/pager:9eaa7574aa43"),  # another task's image
+        ("image", "debian:bookworm"),  # ours are built, under their own name
+    ],
+)
+def test_a_field_outside_its_grammar_is_refused_naming_the_task_and_the_field(toy, tmp_path, field, value):
+    path = save_tasks([{**toy[0], field: value}], tmp_path / "tasks.jsonl")
+    with pytest.raises(TaskError, match=rf"{toy[0]['instance_id'] if field != 'instance_id' else ''}.*: {field} "):
+        load_tasks(path)
+
+
+def test_images_build_refuses_a_climbing_repo_before_any_daemon_call(toy, tmp_path):
+    path = save_tasks([{**toy[0], "repo": "polar-toy/../../../../../tmp/x"}], tmp_path / "tasks.jsonl")
+    env = {**os.environ, "DOCKER_HOST": f"unix://{tmp_path}/no-daemon.sock"}  # nothing answers there
+    done = subprocess.run(
+        [sys.executable, "-m", "eval", "images", "build", "--tasks", str(path)],
+        capture_output=True, text=True, env=env, check=False, timeout=120,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "repo 'polar-toy/../../../../../tmp/x' is not OWNER/NAME" in done.stderr, done.stderr[-2000:]
+    assert "no-daemon.sock" not in done.stderr  # refused at load, not by the daemon call
 
 
 def test_test_lists_as_json_text_become_lists(toy, tmp_path):
