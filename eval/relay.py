@@ -9,6 +9,10 @@ container this script, run by path with the host's interpreter bound read-only, 
 loopback and carries each connection to the socket; on the host a :class:`Relay` carries it on to the proxy.
 Bytes pass as they come (streamed answers stay streamed); one side's end of stream half-closes the other.
 Standard library only, so any interpreter in any image runs it.
+
+A connection costs the relay two threads. The host's relay takes at most ``max_connections`` at once (the docker
+runtime's ``--limits.connections``): a container's process could otherwise open thousands past its pids limit
+(1,200 held connections added ~2,400 threads to the rollout). One more is closed at once, and counted.
 """
 
 from __future__ import annotations
@@ -47,10 +51,14 @@ def _pump(source: socket.socket, sink: socket.socket) -> None:
 
 
 class Relay:
-    """Accepts on ``listen`` and joins each connection to a new one to ``connect``, in threads."""
+    """Accepts on ``listen`` and joins each connection to a new one to ``connect``, in threads; with
+    ``max_connections``, at most that many at once, each one more closed and counted in ``refused``."""
 
-    def __init__(self, listen: str, connect: str) -> None:
+    def __init__(self, listen: str, connect: str, max_connections: int | None = None) -> None:
         self._connect = _address(connect)
+        self.max_connections = max_connections
+        self._slots = threading.BoundedSemaphore(max_connections) if max_connections else None
+        self.refused = 0
         family, address = _address(listen)
         self._server = socket.socket(family, socket.SOCK_STREAM)
         if family == socket.AF_INET:
@@ -72,6 +80,10 @@ class Relay:
                 client, _ = self._server.accept()
             except OSError:  # closed by stop()
                 return
+            if self._slots is not None and not self._slots.acquire(blocking=False):
+                self.refused += 1  # only this thread writes it
+                client.close()
+                continue
             threading.Thread(target=self._join, args=(client,), daemon=True).start()
 
     def _join(self, client: socket.socket) -> None:
@@ -79,16 +91,17 @@ class Relay:
         upstream = socket.socket(family, socket.SOCK_STREAM)
         try:
             upstream.connect(address)
+            back = threading.Thread(target=_pump, args=(upstream, client), daemon=True)
+            back.start()
+            _pump(client, upstream)
+            back.join()
         except OSError:
+            pass  # the proxy is not there: the client sees its connection closed
+        finally:
             client.close()
             upstream.close()
-            return
-        back = threading.Thread(target=_pump, args=(upstream, client), daemon=True)
-        back.start()
-        _pump(client, upstream)
-        back.join()
-        client.close()
-        upstream.close()
+            if self._slots is not None:
+                self._slots.release()
 
     def stop(self) -> None:
         with contextlib.suppress(OSError):

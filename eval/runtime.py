@@ -84,10 +84,16 @@ class Limits:
     """Memory, swap included (docker --memory and --memory-swap); a process past it is killed."""
     pids: int = 1024
     """Processes and threads at once (docker --pids-limit): a fork bomb stops there."""
+    connections: int = 64
+    """Connections at once from the container to its proxy (the host-side relay, two threads each): more are closed
+    at once and counted in the session's error."""
 
     def __post_init__(self) -> None:
-        if self.cpus <= 0 or self.pids < 16:
-            raise EvalError(f"container limits: --cpus must be positive and --pids-limit at least 16, got {self}")
+        if self.cpus <= 0 or self.pids < 16 or self.connections < 1:
+            raise EvalError(
+                "container limits: --cpus must be positive, --pids-limit at least 16 and --limits.connections at least 1, "
+                f"got {self}"
+            )
 
 
 class Sandbox(Protocol):
@@ -171,6 +177,7 @@ class DockerSandbox:
     workspace: Path
     base_url: str
     system_path: str | None
+    relay: Relay  # the host side of the container's one way to its proxy
 
     def run(self, harness: str, argv: list[str], env: dict[str, str], timeout: float) -> HarnessRun:
         exec_argv = ["docker", "exec", "-w", str(self.workspace)]
@@ -198,13 +205,16 @@ class DockerSandbox:
         return HarnessRun(harness, argv, code, code is None, stdout, stderr, round(duration, 3))
 
     def _limit_notes(self) -> str:
-        """What the container's limits refused, read from the host's cgroup files (the container cannot fake
-        them): forks past --pids-limit, kills at --memory."""
+        """What the container's limits refused, read from the host's cgroup files and its relay (the container
+        cannot fake them): forks past --pids-limit, kills at --memory, connections past --limits.connections."""
+        notes = []
+        if self.relay.refused:
+            notes.append(f"{self.relay.refused} connections refused at --limits.connections {self.limits.connections}")
         done = docker("inspect", "--format", "{{.Id}} {{.State.OOMKilled}}", self.name, check=False)
         if done.returncode != 0:
-            return ""
+            return "; ".join(notes)
         cid, oom = done.stdout.decode().split()
-        notes = [f"killed at --memory {self.limits.memory}"] if oom == "true" else []
+        notes += [f"killed at --memory {self.limits.memory}"] if oom == "true" else []
         for events in (
             Path(f"/sys/fs/cgroup/pids/docker/{cid}/pids.events"),
             Path(f"/sys/fs/cgroup/docker/{cid}/pids.events"),
@@ -255,7 +265,7 @@ def open_docker(
     home.mkdir(parents=True, exist_ok=True)
     # A short folder of its own: a unix socket's path must stay under 108 bytes, which a run folder may not.
     sockets = Path(tempfile.mkdtemp(prefix="polar-sock-", dir="/tmp"))
-    relay = Relay(f"unix:{sockets}/proxy.sock", f"tcp:{url.hostname}:{url.port}").start()
+    relay = Relay(f"unix:{sockets}/proxy.sock", f"tcp:{url.hostname}:{url.port}", limits.connections).start()
     name = container_name(session_id)
     python = Path(sys.executable)
     binds = [
@@ -277,7 +287,7 @@ def open_docker(
         _wait_for_relay(name)
         env = image_config(image).get("Env") or []
         path = next((e.removeprefix("PATH=") for e in env if e.startswith("PATH=")), None)
-        yield DockerSandbox(name, image, home, limits, Path(WORKDIR), f"http://127.0.0.1:{url.port}", path)
+        yield DockerSandbox(name, image, home, limits, Path(WORKDIR), f"http://127.0.0.1:{url.port}", path, relay)
     finally:
         if os.geteuid() != 0:  # what the container's root wrote into the bound HOME goes back to the caller
             docker("exec", name, "chown", "-R", f"{os.getuid()}:{os.getgid()}", str(home), check=False)

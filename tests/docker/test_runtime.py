@@ -30,7 +30,7 @@ from eval.containers import docker
 from eval.procs import new_secret_file
 from eval.runs import read_rewards, read_sessions
 from eval.runtime import SESSION_LABEL, Limits
-from eval.tasks import save_tasks
+from eval.tasks import load_tasks, save_tasks
 from reconstruct import schema
 from tests.captures import read_records, scripted_proxy, tokens_of
 from tests.eval.test_rollout import WRONG_EDIT, by_commit
@@ -261,13 +261,13 @@ def test_hostile_sessions_are_contained_and_recorded_as_what_they_were(
 def test_a_session_whose_image_is_missing_fails_naming_it_and_never_runs_on_the_host(teacher, family_images, tmp_path):
     theirs = {**family_images[0], "instance_id": "astropy__astropy-1", "repo": "astropy/astropy"}
     theirs["image"] = "registry.invalid/nope:1"  # not ours: pulled, which fails here
-    ours = {**family_images[1], "image": "polar-gen/not-built:000000000000"}
+    ours = load_tasks("family:heldout@9")[0]  # ours, its image never built: no test builds seed 9's
     save_tasks([theirs, ours], tmp_path / "tasks.jsonl")
     sessions = roll(teacher, [theirs, ours], "mini", "docker", tmp_path / "run")
     assert sessions["status"].to_list() == ["setup_failed"] * 2
     missing, unbuilt = sessions["error"].to_list()
     assert "registry.invalid/nope:1" in missing and "docker pull registry.invalid/nope:1" in missing
-    assert "polar-gen/not-built:000000000000" in unbuilt and "python -m eval images build" in unbuilt
+    assert ours["image"] in unbuilt and "python -m eval images build" in unbuilt
     assert sessions["patch"].to_list() == ["", ""]
     assert all(not read_records(teacher.captures, session=sid) for sid in sessions["session_id"])
     assert containers_left(sessions) == []

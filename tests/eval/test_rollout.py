@@ -160,7 +160,8 @@ def test_mini_and_shell_rollouts_line_up_with_captures_rewards_and_traces(proxy,
 
 @pytest.mark.slow
 def test_crashing_hanging_idle_and_unstartable_harnesses_are_recorded_and_the_run_goes_on(tasks, tmp_path):
-    broken = {**tasks["idle"], "instance_id": "polar-toy__missing-1", "repo": "polar-toy/missing"}
+    image = f"polar-toy/missing:{tasks['idle']['base_commit'][:12]}"  # the image of our own repo at that commit
+    broken = {**tasks["idle"], "instance_id": "polar-toy__missing-1", "repo": "polar-toy/missing", "image": image}
     task_file = tmp_path / "tasks.jsonl"
     task_file.write_text("".join(json.dumps(t) + "\n" for t in [tasks["crash"], tasks["hang"], tasks["idle"], broken]))
     # One command line for the run; the commit tells it which failure to act out.

@@ -122,7 +122,9 @@ def test_run_dir_sessions_are_graded(toy, tmp_path):
                     "status": status,
                     "exit_code": 0,
                     "started_at": "2025-01-01T00:00:00Z",
+                    "setup_s": 0.1,
                     "duration_s": 1.0,
+                    "patch_s": 0.1,
                     "patch": patch,
                     "error": None if status == "ok" else "x",
                 }
