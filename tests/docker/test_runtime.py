@@ -258,6 +258,24 @@ def test_hostile_sessions_are_contained_and_recorded_as_what_they_were(
     assert refused == 4  # two forged calls from each of task 0's sessions, refused and counted
 
 
+def test_connections_past_the_relay_cap_are_refused_and_named_in_the_session_error(teacher, family_images, tmp_path):
+    # 40 connections held at once to the proxy from inside the container, at a cap of 16: the host relay (two threads
+    # a connection, in the rollout's process) takes 16 and closes the other 24 at once.
+    hold = (
+        "import os, socket, time, urllib.parse as u; port = u.urlsplit(os.environ['OPENAI_BASE_URL']).port; "
+        "held = [socket.create_connection(('127.0.0.1', port)) for _ in range(40)]; time.sleep(3); raise SystemExit(1)"
+    )
+    save_tasks(family_images[:1], tmp_path / "tasks.jsonl")
+    sessions = roll(
+        teacher, family_images[:1], "shell", "docker", tmp_path / "run", timeout=60,
+        command=f"{shlex.quote(sys.executable)} -c {shlex.quote(hold)}", limits=Limits(connections=16),
+    )  # fmt: skip
+    (row,) = sessions.iter_rows(named=True)
+    assert row["status"] == "crashed", row
+    assert "24 connections refused at --limits.connections 16" in row["error"], row["error"]
+    assert containers_left(sessions) == []
+
+
 def test_a_session_whose_image_is_missing_fails_naming_it_and_never_runs_on_the_host(teacher, family_images, tmp_path):
     theirs = {**family_images[0], "instance_id": "astropy__astropy-1", "repo": "astropy/astropy"}
     theirs["image"] = "registry.invalid/nope:1"  # not ours: pulled, which fails here
