@@ -268,7 +268,7 @@ def test_connections_past_the_relay_cap_are_refused_and_named_in_the_session_err
     save_tasks(family_images[:1], tmp_path / "tasks.jsonl")
     sessions = roll(
         teacher, family_images[:1], "shell", "docker", tmp_path / "run", timeout=60,
-        command=f"{shlex.quote(sys.executable)} -c {shlex.quote(hold)}", limits=Limits(connections=16),
+        command=f"{shlex.quote(sys.executable)} -c {shlex.quote(hold)} {{instruction}}", limits=Limits(connections=16),
     )  # fmt: skip
     (row,) = sessions.iter_rows(named=True)
     assert row["status"] == "crashed", row
