@@ -10,6 +10,9 @@ loopback and carries each connection to the socket; on the host a :class:`Relay`
 Bytes pass as they come (streamed answers stay streamed); one side's end of stream half-closes the other.
 Standard library only, so any interpreter in any image runs it.
 
+In a container the relay is PID 1's only child: ``--deadline`` ends it, and so the container, at the session's
+timeout plus a grace, even if the rollout that started it was killed.
+
 A connection costs the relay two threads. The host's relay takes at most ``max_connections`` at once (the docker
 runtime's ``--limits.connections``): a container's process could otherwise open thousands past its pids limit
 (1,200 held connections added ~2,400 threads to the rollout). One more is closed at once, and counted.
@@ -113,8 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--listen", required=True, help="tcp:HOST:PORT or unix:PATH to accept on")
     parser.add_argument("--connect", required=True, help="tcp:HOST:PORT or unix:PATH each connection goes to")
+    parser.add_argument(
+        "--deadline", type=float, help="seconds after which the relay exits (124): a container whose relay it is ends"
+    )
     args = parser.parse_args(argv)
     relay = Relay(args.listen, args.connect)
+    if args.deadline is not None:  # whatever happens to the rollout that started the container
+        threading.Timer(args.deadline, os._exit, args=(124,)).start()
     print(f"relay: {args.listen} -> {args.connect}", flush=True)  # the docker runtime waits for this line
     relay.serve()
     return 0

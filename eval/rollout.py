@@ -243,7 +243,7 @@ def roll_out(job: Job, args: Args, work_root: Path, logs: Path) -> dict[str, Any
                     box = stack.enter_context(
                         RUNTIMES[args.runtime].open(
                             job.task, job.session_id, work, proxy=args.proxy, run_tag=job.run_tag,
-                            mounts=[*_mounts(args.harness), *args.mounts], limits=args.limits,
+                            mounts=[*_mounts(args.harness), *args.mounts], limits=args.limits, timeout=args.timeout,
                         )
                     )  # fmt: skip
                     argv, env = prepare(

@@ -64,6 +64,9 @@ GIT = ["git", "-c", "core.quotepath=off"]
 
 WORKDIR = "/testbed"  # swebench's DOCKER_WORKDIR: where every SWE-bench image has the repository
 RELAY = "/polar/relay.py"
+# A container ends by itself this long after its session's --timeout (its relay's --deadline): room for the setup
+# before the harness and the patch after it, and a bound on what a killed rollout leaves running.
+DEADLINE_GRACE_S = 60.0
 SOCKET_DIR = "/polar/sock"
 RUN_LABEL = "polar.run"
 SESSION_LABEL = "polar.session"
@@ -91,8 +94,8 @@ class Limits:
     def __post_init__(self) -> None:
         if self.cpus <= 0 or self.pids < 16 or self.connections < 1:
             raise EvalError(
-                "container limits: --cpus must be positive, --pids-limit at least 16 and --limits.connections at least 1, "
-                f"got {self}"
+                "container limits: --cpus must be positive, --pids-limit at least 16 and --limits.connections at "
+                f"least 1, got {self}"
             )
 
 
@@ -252,6 +255,7 @@ def open_docker(
     run_tag: str,
     mounts: Sequence[Path] = (),
     limits: Limits = Limits(),
+    timeout: float | None = None,
     **_: Any,
 ) -> Iterator[DockerSandbox]:
     require_daemon()
@@ -282,6 +286,7 @@ def open_docker(
     argv += [arg for source, target, mode in binds for arg in ("-v", f"{source}:{target}:{mode}")]
     argv += ["--entrypoint", str(python), image, "-P", RELAY]
     argv += ["--listen", f"tcp:127.0.0.1:{url.port}", "--connect", f"unix:{SOCKET_DIR}/proxy.sock"]
+    argv += ["--deadline", f"{timeout + DEADLINE_GRACE_S:g}"] if timeout is not None else []
     try:
         docker(*argv)
         _wait_for_relay(name)

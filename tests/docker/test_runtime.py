@@ -29,7 +29,7 @@ from eval import rollout
 from eval.containers import docker
 from eval.procs import new_secret_file
 from eval.runs import read_rewards, read_sessions
-from eval.runtime import SESSION_LABEL, Limits
+from eval.runtime import DEADLINE_GRACE_S, SESSION_LABEL, Limits
 from eval.tasks import load_tasks, save_tasks
 from reconstruct import schema
 from tests.captures import read_records, scripted_proxy, tokens_of
@@ -304,6 +304,42 @@ def test_kept_workspaces_under_a_long_run_folder(teacher, family_images, tmp_pat
     assert changed.stdout.strip(), "the kept workspace holds the agent's edit"
     assert {p.stat().st_uid for p in repo.rglob("*")} == {os.getuid()}
     assert containers_left(sessions) == []
+
+
+def test_a_container_ends_by_itself_after_its_rollout_is_killed_with_sigkill(family_images, tiny_model_dir, tmp_path):
+    """kill -9 of the rollout while its session sleeps: nothing of the rollout is left to stop the container, so its
+    relay's deadline (the session's --timeout plus DEADLINE_GRACE_S) ends it."""
+    script = [{"content": None, "tool_calls": [{"name": "bash", "arguments": {"command": "sleep 600"}}]}]
+    save_tasks(family_images[:1], tmp_path / "tasks.jsonl")
+    secret = new_secret_file(tmp_path / "secret")
+    (tmp_path / "proxy").mkdir()
+    out = tmp_path / "killed-run"
+
+    def running() -> list[str]:  # this run's running containers
+        listed = docker("ps", "--filter", "label=polar.run", "--format", '{{.ID}} {{.Label "polar.run"}}')
+        return [line.split()[0] for line in listed.stdout.decode().splitlines() if f" {out.name}-" in line]
+
+    with scripted_proxy(tiny_model_dir, script, tmp_path / "proxy", secret_file=secret) as proxy:
+        cmd = [sys.executable, "-m", "eval", "rollout", "--tasks", str(tmp_path / "tasks.jsonl"), "--harness", "mini"]
+        cmd += ["--proxy", proxy.url, "--out", str(out), "--runtime", "docker", "--session-secret", str(secret)]
+        cmd += ["--timeout", "20"]  # the kill comes before it: the session is still in its sleep
+        log = open(tmp_path / "rollout.log", "wb")  # noqa: SIM115 (closed below)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 300
+            while not read_records(proxy.captures):  # the session has asked for its sleep
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "rollout.log").read_text()
+                time.sleep(0.2)
+            proc.kill()
+            proc.wait()
+        finally:
+            log.close()
+        killed_at = time.monotonic()
+        (container,) = running()  # SIGKILL left it running: nothing removed it
+        while running():
+            assert time.monotonic() - killed_at < 20 + DEADLINE_GRACE_S + 60, "the container outlived its deadline"
+            time.sleep(1)
+    docker("rm", "-f", container, check=False)
 
 
 def test_a_rollout_stopped_with_sigterm_removes_its_containers_and_starts_no_more(

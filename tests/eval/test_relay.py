@@ -3,10 +3,16 @@
 
 import contextlib
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
+import eval.relay
 from eval.relay import Relay
+
+RELAY_SCRIPT = Path(eval.relay.__file__)
 
 
 @contextlib.contextmanager
@@ -94,3 +100,22 @@ def test_without_a_cap_the_relay_takes_every_connection(tmp_path):
         for client in held:
             client.close()
         relay.stop()
+
+
+def test_the_container_relay_exits_at_its_deadline(tmp_path):
+    # In a container the relay is PID 1's only child: its exit ends the container, whatever became of the rollout.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    relay = subprocess.Popen(
+        [sys.executable, "-P", str(RELAY_SCRIPT), "--listen", f"tcp:127.0.0.1:{port}", "--connect",
+         f"unix:{tmp_path}/proxy.sock", "--deadline", "1"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert relay.stdout.readline().startswith("relay: ")  # serving
+        assert relay.wait(timeout=60) == 124
+    finally:
+        relay.kill()  # a relay without its deadline would serve on
+        relay.wait()
+        relay.stdout.close()
