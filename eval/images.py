@@ -69,7 +69,7 @@ from rich.table import Table
 from eval import taskgen
 from eval.containers import ContainerError, daemon_address, docker, image_exists, require_daemon
 from eval.errors import EvalError
-from eval.tasks import TOY_REPO_OWNER, checkout, load_tasks
+from eval.tasks import OURS, checkout, load_tasks
 
 __all__ = [
     "CA_DIR",
@@ -109,7 +109,6 @@ VENV = "/opt/venv"
 WORKDIR = "/testbed"
 PYTEST_FALLBACK = "9.2.0"  # where this interpreter has no pytest (the project's .venv has it)
 PATH = f"{VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-OURS = (taskgen.OWNER, TOY_REPO_OWNER)  # repos whose images we build
 
 KIND_LABEL, KEY_LABEL = "polar.image", "polar.key"  # base | env | task; the content key
 FOR_LABEL, FROM_LABEL = "polar.for", "polar.from"  # what it is for; the image it is built FROM

@@ -59,7 +59,6 @@ class Relay:
 
     def __init__(self, listen: str, connect: str, max_connections: int | None = None) -> None:
         self._connect = _address(connect)
-        self.max_connections = max_connections
         self._slots = threading.BoundedSemaphore(max_connections) if max_connections else None
         self.refused = 0
         family, address = _address(listen)

@@ -47,6 +47,7 @@ from eval.instances import TaskError, eval_script, git, image_tag, write_repo
 
 __all__ = [
     "FAMILY",
+    "OURS",
     "TOY_DIR",
     "TOY_REPO_OWNER",
     "TaskError",
@@ -59,6 +60,7 @@ __all__ = [
 
 TOY_DIR = Path(__file__).resolve().parent / "toy"
 TOY_REPO_OWNER = "polar-toy"  # toy instances have repo "polar-toy/<name>", instance_id "polar-toy__<name>-1"
+OURS = (taskgen.OWNER, TOY_REPO_OWNER)  # repository owners whose images `python -m eval images build` makes
 
 # SWEbenchInstance's fields, then what swebench 5.x make_test_spec reads.
 REQUIRED_FIELDS = (
@@ -138,8 +140,7 @@ def validate(instance: dict[str, Any], source: str) -> dict[str, Any]:
     image, repo = instance["image"], instance["repo"]
     if image.split(":")[0].split("@")[0] in RESERVED_IMAGES:
         raise TaskError(f"{name}: image {image!r} is one of our own layers {list(RESERVED_IMAGES)}")
-    ours = (TOY_REPO_OWNER, taskgen.OWNER)
-    if (repo.partition("/")[0] in ours or image.partition("/")[0] in ours) and image != (
+    if (repo.partition("/")[0] in OURS or image.partition("/")[0] in OURS) and image != (
         own := image_tag(repo, instance["base_commit"])
     ):
         # images build tags what it builds for our repositories with the task's image: no other task's name

@@ -69,6 +69,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from eval.upstream.toolparse import Event, OutputParser, StopStrings
 
@@ -447,8 +448,6 @@ def serving_attention(
     each row runs as two matmuls over its key/value head, the softmax in fp32. SmolLM2 in bf16 at a batch of 16
     over ~1,600 tokens: SDPA's CPU kernel took 3.6 ms a layer (64 % of the step) where fp32 took 0.8 ms; the
     matmuls take ~1 ms (tests/bench/server.py)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     rows, heads, length, dim = query.shape
     if length != 1 or query.dtype == torch.float32 or query.device.type != "cpu" or dropout:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
