@@ -107,6 +107,9 @@ CA_DIR = Path("/usr/local/share/ca-certificates")  # the host's own CAs; copied 
 SYSTEM_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"  # Debian's bundle, which update-ca-certificates rewrites
 VENV = "/opt/venv"
 WORKDIR = "/testbed"
+# The unprivileged user a task image runs its sessions as (it owns /testbed). /root stays traversable: the host's
+# interpreter, which the container runs for its relay and mini, may be bound under it (pyenv's /root/.pyenv).
+USER = "polar"
 PYTEST_FALLBACK = "9.2.0"  # where this interpreter has no pytest (the project's .venv has it)
 PATH = f"{VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -188,7 +191,9 @@ RUN set -eu; \\
     python3 -m venv {VENV}; \\
     PIP_CONFIG_FILE=/tmp/polar-pip.conf {VENV}/bin/pip install --no-cache-dir -q pytest=={pytest}; \\
     rm /tmp/polar-pip.conf; \\
-    git config --system --add safe.directory '*'
+    git config --system --add safe.directory '*'; \\
+    useradd --create-home --shell /bin/bash {USER}; \\
+    chmod 0755 /root
 ENV PATH={PATH} LANG=C.UTF-8
 """
     key = _digest("env", base.key, dockerfile)
@@ -200,7 +205,10 @@ ENV PATH={PATH} LANG=C.UTF-8
 def task_layer(env: Layer, task: dict[str, Any]) -> Layer:
     """A task's image: its checkout on ``env``; keyed by the env and the repository at its base commit."""
     repo, commit, tag = str(task["repo"]), str(task["base_commit"]), str(task["image"])
-    dockerfile = f"FROM {env.tag}\nCOPY testbed {WORKDIR}\nWORKDIR {WORKDIR}\nSTOPSIGNAL SIGKILL\n"
+    dockerfile = (
+        f"FROM {env.tag}\nCOPY --chown={USER}:{USER} testbed {WORKDIR}\nWORKDIR {WORKDIR}\nUSER {USER}\n"
+        "STOPSIGNAL SIGKILL\n"
+    )
     key = _digest("task", env.key, repo, commit, dockerfile)
     layer = Layer("task", tag, key, f"{task['instance_id']} ({repo} at {commit[:12]})")
     labels = layer.labels(**{FROM_LABEL: env.tag, REPO_LABEL: repo, COMMIT_LABEL: commit})

@@ -27,11 +27,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, ClassVar, Self
+from typing import IO, Any, ClassVar, Self
 
 import psutil
 
@@ -126,6 +127,37 @@ def stop_tree(proc: subprocess.Popen[bytes] | subprocess.Popen[str], *, grace: f
     proc.wait()
 
 
+class OutputTail:
+    """A process's output stream, read on a thread of its own: its size and its last ``keep`` bytes, never more
+    in memory, whatever the process prints (a session printing 800 MB would otherwise hold them all)."""
+
+    def __init__(self, stream: IO[bytes], keep: int) -> None:
+        self.keep = keep
+        self.size = 0
+        self._tail = bytearray()
+        self._stream = stream
+        self._thread = threading.Thread(target=self._read, name="output-tail", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        with self._stream:
+            while chunk := os.read(self._stream.fileno(), 1 << 16):  # what the pipe holds, not a full buffer
+                self.size += len(chunk)
+                self._tail += chunk
+                if len(self._tail) > 2 * self.keep:  # trimmed in steps, not on every chunk
+                    del self._tail[: -self.keep]
+
+    def text(self, wait: float = 5.0) -> str:
+        """What was kept, once the stream ends (or ``wait`` seconds on: a background child that escaped its
+        session may hold the pipe open), with a first line saying how much was left out."""
+        self._thread.join(wait)
+        tail = bytes(self._tail[-self.keep :]) if self.keep else b""
+        text = tail.decode(errors="replace")
+        if self.size > len(tail):
+            text = f"[polar: {self.size} bytes of output, the last {len(tail)} kept]\n{text}"
+        return text
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -176,12 +208,26 @@ class Service:
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"exited with {self.proc.returncode}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise TimeoutError(f"nothing listens on port {self.port} after {timeout:.0f} s")
+            # Its own socket, not a port that answers: free_port() can hand the same port to two services started
+            # at once, and the other one's answer would pass for this one's.
+            if self._listens():
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"this process does not listen on port {self.port} after {timeout:.0f} s")
+
+    def _listens(self) -> bool:
+        """Whether this process, or one it started (vLLM's engine), listens on ``self.port``."""
+        try:
+            root = psutil.Process(self.proc.pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return False
+        for process in tree:
+            with contextlib.suppress(psutil.Error):
+                for conn in process.net_connections("tcp"):
+                    if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == self.port:
+                        return True
+        return False
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")

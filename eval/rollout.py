@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import fcntl
 import hashlib
 import re
 import secrets
@@ -35,6 +36,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -51,7 +53,16 @@ from eval.harness.presets import MINI, PRESETS, HarnessRun, Name, prepare
 from eval.harness.transparent import run_transparent
 from eval.procs import check_proxy
 from eval.runs import LOGS, SESSION_STATUSES, SESSIONS, SESSIONS_SCHEMA, TASKS, write_sessions
-from eval.runtime import RUNTIMES, Limits, PatchError, RuntimeName, remove_run, take_patch
+from eval.runtime import (
+    RUNTIMES,
+    Limits,
+    PatchError,
+    PatchTooLarge,
+    RuntimeName,
+    remove_leftovers,
+    remove_run,
+    take_patch,
+)
 from eval.tasks import checkout, load_tasks, save_tasks
 from reconstruct.files import write_atomic
 
@@ -59,6 +70,8 @@ __all__ = ["Args", "instruction", "main", "session_id"]
 
 console = Console(stderr=True)
 
+LOCK = ".rollout.lock"  # in the run folder: held by the one rollout writing there
+WORK_PREFIX = "polar-rollout-"  # + the folder label: the workspaces' temporary folder
 ERROR_TAIL = 2000  # characters of a failed harness's stderr kept in the sessions table
 
 
@@ -206,7 +219,41 @@ class Job:
     task: dict[str, Any]
     sample: int
     session_id: str
-    run_tag: str  # labels the run's containers, so a sweep finds what a killed run left
+    run_tag: str  # labels this run's containers, so that a stop removes them
+    folder: str = ""  # labels what a run into this run folder leaves, so that a rerun there removes it
+
+
+def folder_label(run_dir: Path) -> str:
+    """The run folder's label on its containers and temporary folders (its resolved path's digest)."""
+    return _digest(str(run_dir.resolve()))[:12]
+
+
+@contextlib.contextmanager
+def folder_lock(run_dir: Path) -> Iterator[None]:
+    """One rollout at a time into ``run_dir``: while it holds the lock, whatever carries the folder's label and is
+    not its own was left by a killed run."""
+    with open(run_dir / LOCK, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise EvalError(
+                f"{run_dir}: another rollout is writing this run folder (it holds {run_dir / LOCK})"
+            ) from None
+        yield  # the lock goes with the file's close, also when the process is killed
+
+
+def remove_left_behind(run_dir: Path, runtime: str) -> None:
+    """What earlier rollouts into ``run_dir`` left when killed (``kill -9``): their workspaces, relay sockets and
+    containers. Never another run folder's: each carries its folder's label."""
+    folder = folder_label(run_dir)
+    left = list(Path(tempfile.gettempdir()).glob(f"{WORK_PREFIX}{folder}-*"))
+    for leftover in left:
+        shutil.rmtree(leftover, ignore_errors=True)
+    containers = remove_leftovers(folder) if runtime == "docker" else 0
+    if left or containers:
+        console.print(
+            f"removed what a killed run left in {run_dir}: {containers} container(s), {len(left)} workspace folder(s)"
+        )
 
 
 def roll_out(job: Job, args: Args, work_root: Path, logs: Path) -> dict[str, Any]:
@@ -227,6 +274,8 @@ def roll_out(job: Job, args: Args, work_root: Path, logs: Path) -> dict[str, Any
         "patch_s": None,
         "patch": "",
         "error": None,
+        "stdout_bytes": None,
+        "stderr_bytes": None,
     }
     work = work_root / job.session_id
     log_dir = logs / job.session_id
@@ -242,7 +291,7 @@ def roll_out(job: Job, args: Args, work_root: Path, logs: Path) -> dict[str, Any
                 else:
                     box = stack.enter_context(
                         RUNTIMES[args.runtime].open(
-                            job.task, job.session_id, work, proxy=args.proxy, run_tag=job.run_tag,
+                            job.task, job.session_id, work, proxy=args.proxy, run_tag=job.run_tag, folder=job.folder,
                             mounts=[*_mounts(args.harness), *args.mounts], limits=args.limits, timeout=args.timeout,
                         )
                     )  # fmt: skip
@@ -270,19 +319,27 @@ def roll_out(job: Job, args: Args, work_root: Path, logs: Path) -> dict[str, Any
             (log_dir / "stdout.txt").write_text(run.stdout)
             (log_dir / "stderr.txt").write_text(run.stderr)
             row |= {"exit_code": run.exit_code, "duration_s": run.duration_s}
+            row |= {"stdout_bytes": run.stdout_bytes, "stderr_bytes": run.stderr_bytes}
             patch_started = time.monotonic()
             try:
                 row["patch"] = (
-                    box.patch(job.task["base_commit"]) if box else take_patch(work / "repo", job.task["base_commit"])
+                    box.patch(job.task["base_commit"])
+                    if box
+                    else take_patch(work / "repo", job.task["base_commit"], args.limits.size("patch"))
                 )
             except PatchError as e:  # the agent broke the repository (e.g. removed .git)
                 row |= {"status": "crashed", "error": f"could not take the patch: {_tail(str(e))}"}
+                return row
+            except PatchTooLarge as e:
+                row |= {"status": "patch_too_large", "error": str(e)}
                 return row
             finally:
                 row["patch_s"] = time.monotonic() - patch_started
                 if args.keep_workspaces and box is not None:
                     box.keep(work)
-        if run.timed_out:
+        if run.ended_by_limit:
+            row |= {"status": "crashed", "error": f"{run.ended_by_limit}; stderr: {_tail(run.stderr)}"}
+        elif run.timed_out:
             row |= {"status": "timeout", "error": f"killed after {args.timeout:g} s; stderr: {_tail(run.stderr)}"}
         elif run.exit_code != 0:
             row |= {"status": "crashed", "error": f"exit {run.exit_code}; stderr: {_tail(run.stderr or run.stdout)}"}
@@ -374,6 +431,47 @@ def _on_ray(jobs: list[Job], args: Args, run_dir: Path, run_tag: str) -> list[di
         ray.shutdown()
 
 
+def _run(tasks: list[dict[str, Any]], args: Args, run_dir: Path) -> list[dict[str, Any]]:
+    run_tag = f"{run_dir.resolve().name}-{secrets.token_hex(3)}"  # the nonce keeps reruns into a same-named dir apart
+    folder = folder_label(run_dir)
+    jobs = [
+        Job(task, n, session_id(run_tag, task["instance_id"], n), run_tag, folder)
+        for task in tasks
+        for n in range(args.samples)
+    ]
+    # Unless kept, outside the run folder: harnesses read instruction files (CLAUDE.md, AGENTS.md) from parent folders.
+    work_root = (
+        run_dir / "workspaces" if args.keep_workspaces else Path(tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{folder}-"))
+    )
+    containers_here = args.runtime == "docker" and args.ray is None  # on Ray, each session on its node removes its own
+    stop = threading.Event()
+
+    def terminate(signum: int, frame: Any) -> None:
+        # Stopped from outside (the demo stops a phase with SIGTERM): no queued session starts, the run's containers
+        # go, which ends their sessions at once, then the finally below runs as on Ctrl-C. Python's default would
+        # exit at once and leave every container running.
+        stop.set()
+        if containers_here:
+            remove_run(run_tag)
+        raise SystemExit(128 + signum)
+
+    in_main = threading.current_thread() is threading.main_thread()  # only the main thread may set a handler
+    previous = signal.signal(signal.SIGTERM, terminate) if in_main else None
+    try:
+        if args.ray is not None:
+            rows = _on_ray(jobs, args, run_dir, run_tag)
+        else:
+            rows = run_all(jobs, args, work_root, run_dir / LOGS, stop)
+    finally:
+        if not args.keep_workspaces:
+            shutil.rmtree(work_root, ignore_errors=True)
+        if containers_here and (left := remove_run(run_tag)):
+            console.print(f"removed {left} container(s) this run left behind")
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    return rows
+
+
 def main(args: Args) -> int:
     tasks = load_tasks(args.tasks, args.instance_ids)  # refuses instance ids it does not have
     if not tasks:
@@ -401,44 +499,13 @@ def main(args: Args) -> int:
         raise EvalError(f"{run_dir / TASKS} holds other tasks (another run's): give --out a new run folder")
     write_atomic(run_dir / TASKS, wanted)
 
-    run_tag = f"{run_dir.resolve().name}-{secrets.token_hex(3)}"  # the nonce keeps reruns into a same-named dir apart
-    jobs = [
-        Job(task, n, session_id(run_tag, task["instance_id"], n), run_tag)
-        for task in tasks
-        for n in range(args.samples)
-    ]
-    # Unless kept, outside the run folder: harnesses read instruction files (CLAUDE.md, AGENTS.md) from parent folders.
-    work_root = run_dir / "workspaces" if args.keep_workspaces else Path(tempfile.mkdtemp(prefix="polar-rollout-"))
     started = time.monotonic()
-    containers_here = args.runtime == "docker" and args.ray is None  # on Ray, each session on its node removes its own
-    stop = threading.Event()
-
-    def terminate(signum: int, frame: Any) -> None:
-        # Stopped from outside (the demo stops a phase with SIGTERM): no queued session starts, the run's containers
-        # go, which ends their sessions at once, then the finally below runs as on Ctrl-C. Python's default would
-        # exit at once and leave every container running.
-        stop.set()
-        if containers_here:
-            remove_run(run_tag)
-        raise SystemExit(128 + signum)
-
-    in_main = threading.current_thread() is threading.main_thread()  # only the main thread may set a handler
-    previous = signal.signal(signal.SIGTERM, terminate) if in_main else None
-    try:
-        if args.ray is not None:
-            rows = _on_ray(jobs, args, run_dir, run_tag)
-        else:
-            rows = run_all(jobs, args, work_root, run_dir / LOGS, stop)
-    finally:
-        if not args.keep_workspaces:
-            shutil.rmtree(work_root, ignore_errors=True)
-        if containers_here and (left := remove_run(run_tag)):
-            console.print(f"removed {left} container(s) this run left behind")
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+    with folder_lock(run_dir):
+        remove_left_behind(run_dir, args.runtime)
+        rows = _run(tasks, args, run_dir)
     sessions = write_sessions(pl.DataFrame(rows, schema=SESSIONS_SCHEMA), run_dir)
 
-    table = Table(title=f"{args.harness}: {len(jobs)} sessions in {time.monotonic() - started:.0f} s")
+    table = Table(title=f"{args.harness}: {len(rows)} sessions in {time.monotonic() - started:.0f} s")
     for column in ("status", "sessions"):
         table.add_column(column)
     counts = pl.DataFrame(rows, schema=SESSIONS_SCHEMA)["status"].value_counts()

@@ -9,8 +9,8 @@
 ``sessions.parquet`` is written by ``python -m eval rollout`` and ``rewards.parquet`` by ``python -m eval score``;
 ``python -m reconstruct --sessions RUN_DIR/sessions.parquet`` maps sessions to tasks in the trajectories, and
 ``python -m eval join`` fills their rewards. The format version is stored in the Parquet key-value metadata under
-``polar.run.version``: 1 for rewards, 2 for sessions (2 added ``setup_s`` and ``patch_s``; a version-1 sessions
-table reads with them null). Writes are atomic (``reconstruct.files``: temporary file, then rename).
+``polar.run.version``: 1 for rewards, 3 for sessions (2 added ``setup_s`` and ``patch_s``, 3 ``stdout_bytes``,
+``stderr_bytes`` and the status ``patch_too_large``; an older sessions table reads with the added columns null). Writes are atomic (``reconstruct.files``: temporary file, then rename).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from eval.errors import EvalError
 from reconstruct.files import conform_table, read_versioned_parquet, write_versioned_parquet
 
 FORMAT_VERSION = 1
-SESSIONS_VERSION = 2
+SESSIONS_VERSION = 3
 VERSION_KEY = "polar.run.version"
 
 TASKS = "tasks.jsonl"
@@ -31,7 +31,7 @@ SESSIONS = "sessions.parquet"
 REWARDS = "rewards.parquet"
 LOGS = "logs"
 
-SESSION_STATUSES = ("ok", "no_edit", "crashed", "timeout", "setup_failed")
+SESSION_STATUSES = ("ok", "no_edit", "crashed", "timeout", "setup_failed", "patch_too_large")
 
 SESSIONS_SCHEMA = pl.Schema(
     {
@@ -48,8 +48,13 @@ SESSIONS_SCHEMA = pl.Schema(
         "patch_s": pl.Float64,  # taking the patch after the harness exited; null when it never ran
         "patch": pl.String,  # `git diff --cached --binary` of the workspace, harness folders dropped; "" if none
         "error": pl.String,  # why a session is not "ok" (last lines of stderr, setup failure); null when ok
+        "stdout_bytes": pl.Int64,  # all the harness printed (logs/<session_id>/stdout.txt keeps the last --limits.output)
+        "stderr_bytes": pl.Int64,  # null when it never ran
     }
 )
+
+ADDED_IN_2 = {"setup_s": pl.Float64, "patch_s": pl.Float64}
+ADDED_IN_3 = {"stdout_bytes": pl.Int64, "stderr_bytes": pl.Int64}
 
 REWARD_REASONS = ("graded", "empty_patch", "patch_failed", "tests_timed_out", "eval_error", "session_failed")
 
@@ -94,9 +99,10 @@ def read_sessions(run_dir: Path) -> pl.DataFrame:
         version = pl.read_parquet_metadata(path).get(VERSION_KEY)
     except (OSError, pl.exceptions.ComputeError):
         version = None  # read_versioned_parquet names the problem
-    if version == "1":  # before the setup and patch times
-        table = read_versioned_parquet(path, VERSION_KEY, 1, kind="run table", error=RunError)
-        table = table.with_columns(pl.lit(None, pl.Float64).alias(c) for c in ("setup_s", "patch_s"))
+    if version in ("1", "2"):  # before the output sizes (and, in 1, the setup and patch times)
+        table = read_versioned_parquet(path, VERSION_KEY, int(version), kind="run table", error=RunError)
+        added = {**ADDED_IN_2, **ADDED_IN_3} if version == "1" else ADDED_IN_3
+        table = table.with_columns(pl.lit(None, dtype).alias(name) for name, dtype in added.items())
         return conform_table(table, SESSIONS_SCHEMA, source=str(path), kind="run", error=RunError)
     return _read(path, SESSIONS_SCHEMA, SESSIONS_VERSION)
 

@@ -33,7 +33,6 @@ import contextlib
 import dataclasses
 import hashlib
 import io
-import os
 import shutil
 import subprocess
 import sys
@@ -45,13 +44,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 from urllib.parse import urlsplit
 
-from eval.containers import ContainerError, docker, image_config, require_daemon
+from eval.containers import ContainerError, daemon_address, docker, image_config, require_daemon
 from eval.errors import EvalError
 from eval.harness.presets import PRESETS, HarnessRun, run_process
+from eval.procs import OutputTail
 from eval.relay import Relay
 from eval.tasks import checkout
 
-__all__ = ["EXCLUDES", "HARNESS_FOLDERS", "RUNTIMES", "Limits", "PatchError", "Runtime", "Sandbox", "take_patch"]
+if TYPE_CHECKING:
+    from docker import DockerClient
+
+__all__ = [
+    "EXCLUDES", "HARNESS_FOLDERS", "RUNTIMES", "Limits", "PatchError", "PatchTooLarge", "Runtime", "Sandbox",
+    "parse_size", "remove_leftovers", "remove_run", "take_patch",
+]  # fmt: skip
 
 # Folders a harness or the tools it runs leave in the workspace; never part of the agent's patch. Excluded
 # from `git add` by pathspec, so a file the agent meant to create is never deleted.
@@ -70,6 +76,11 @@ DEADLINE_GRACE_S = 60.0
 SOCKET_DIR = "/polar/sock"
 RUN_LABEL = "polar.run"
 SESSION_LABEL = "polar.session"
+FOLDER_LABEL = "polar.folder"  # the run folder's digest (eval.rollout.folder_label): what a rerun there removes
+SOCKET_PREFIX = "polar-sock-"
+CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FOWNER")
+DISK_POLL_S = 0.5  # how often the watchdog reads a container's size; it may pass --limits.disk by this much writing
+ERROR_KEEP = 8 << 10  # bytes of a failing git's stderr kept
 START_TIMEOUT = 60.0  # seconds for a container's relay to come up
 
 
@@ -77,9 +88,28 @@ class PatchError(Exception):
     """The workspace's diff could not be read (the agent broke the repository, e.g. removed .git)."""
 
 
+class PatchTooLarge(Exception):
+    """The workspace's diff is past --limits.patch: not data to grade or train on, and never read whole."""
+
+
+def parse_size(text: str, field: str) -> int:
+    """Bytes in ``"512"``, ``"64k"``, ``"16m"``, ``"10g"`` (powers of 1024, as docker's --memory)."""
+    units = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    number, unit = text.strip().lower().rstrip("b") or "0", ""
+    if number[-1:] in units:
+        number, unit = number[:-1], number[-1]
+    try:
+        size = float(number) * units[unit]
+    except ValueError:
+        raise EvalError(f"{field}: expected a size such as 512k, 16m or 10g, got {text!r}") from None
+    if size <= 0:
+        raise EvalError(f"{field}: expected a positive size, got {text!r}")
+    return int(size)
+
+
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """What one docker session may use."""
+    """What one session may use. ``output`` and ``patch`` bound every runtime; the rest are the container's."""
 
     cpus: float = 2.0
     """CPUs (docker --cpus)."""
@@ -90,6 +120,14 @@ class Limits:
     connections: int = 64
     """Connections at once from the container to its proxy (the host-side relay, two threads each): more are closed
     at once and counted in the session's error."""
+    disk: str = "10g"
+    """Bytes the session may write into its container (/testbed, /tmp, HOME: the container's own layer); a
+    watchdog reads the layer's size every DISK_POLL_S and ends the session past it."""
+    output: str = "4m"
+    """Of the harness's stdout and of its stderr, the last bytes kept (logs/<session>/*.txt); their sizes are in
+    the sessions table."""
+    patch: str = "16m"
+    """The largest patch taken; a larger one ends the session as patch_too_large, without a patch."""
 
     def __post_init__(self) -> None:
         if self.cpus <= 0 or self.pids < 16 or self.connections < 1:
@@ -97,6 +135,11 @@ class Limits:
                 "container limits: --cpus must be positive, --pids-limit at least 16 and --limits.connections at "
                 f"least 1, got {self}"
             )
+        for name in ("memory", "disk", "output", "patch"):
+            parse_size(getattr(self, name), f"--limits.{name}")
+
+    def size(self, name: Literal["memory", "disk", "output", "patch"]) -> int:
+        return parse_size(getattr(self, name), f"--limits.{name}")
 
 
 class Sandbox(Protocol):
@@ -126,17 +169,31 @@ class Runtime:
     about: str
 
 
-def take_patch(repo: Path, base_commit: str) -> str:
-    """Everything the agent changed since ``base_commit`` (commits included), as a binary-safe git diff."""
+def take_patch(repo: Path, base_commit: str, limit: int) -> str:
+    """Everything the agent changed since ``base_commit`` (commits included), as a binary-safe git diff;
+    PatchTooLarge past ``limit`` bytes."""
     git = [*GIT, "-C", str(repo)]
     try:
         subprocess.run([*git, "add", "-A", "--", ".", *EXCLUDES], check=True, capture_output=True)
-        diff = subprocess.run(
-            [*git, "diff", "--cached", "--binary", base_commit, "--", ".", *EXCLUDES], check=True, capture_output=True
-        )
     except subprocess.CalledProcessError as e:
         raise PatchError(e.stderr.decode(errors="replace")) from e
-    return diff.stdout.decode(errors="replace")
+    return read_patch([*git, "diff", "--cached", "--binary", base_commit, "--", ".", *EXCLUDES], limit)
+
+
+def read_patch(argv: list[str], limit: int) -> str:
+    """The output of ``argv`` (a git diff, here or in a container), read up to ``limit`` bytes and no further."""
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    err = OutputTail(proc.stderr, ERROR_KEEP)
+    with proc.stdout:
+        diff = proc.stdout.read(limit + 1)
+    if len(diff) > limit:
+        proc.kill()
+        proc.wait()
+        raise PatchTooLarge(f"the patch is past --limits.patch ({limit} bytes); not taken")
+    if proc.wait():
+        raise PatchError(err.text())
+    return diff.decode(errors="replace")
 
 
 # ---- local
@@ -146,22 +203,25 @@ def take_patch(repo: Path, base_commit: str) -> str:
 class LocalSandbox:
     workspace: Path
     base_url: str
+    limits: Limits
     system_path: str | None = None
 
     def run(self, harness: str, argv: list[str], env: dict[str, str], timeout: float) -> HarnessRun:
         argv = [shutil.which(argv[0], path=env["PATH"]) or argv[0], *argv[1:]]
-        return run_process(harness, argv, env, self.workspace, timeout)
+        return run_process(harness, argv, env, self.workspace, timeout, keep=self.limits.size("output"))
 
     def patch(self, base_commit: str) -> str:
-        return take_patch(self.workspace, base_commit)
+        return take_patch(self.workspace, base_commit, self.limits.size("patch"))
 
     def keep(self, dest: Path) -> None:
         pass  # the checkout already is under the kept work folder
 
 
 @contextlib.contextmanager
-def open_local(task: dict[str, Any], session_id: str, work: Path, *, proxy: str, **_: Any) -> Iterator[LocalSandbox]:
-    yield LocalSandbox(checkout(task, work / "repo").resolve(), proxy)
+def open_local(
+    task: dict[str, Any], session_id: str, work: Path, *, proxy: str, limits: Limits = Limits(), **_: Any
+) -> Iterator[LocalSandbox]:
+    yield LocalSandbox(checkout(task, work / "repo").resolve(), proxy, limits)
 
 
 # ---- docker
@@ -175,37 +235,67 @@ def container_name(session_id: str) -> str:
 class DockerSandbox:
     name: str
     image: str
-    home: Path
+    home: Path  # the harness's HOME: filled on the host (prepare), copied into the container before the run
     limits: Limits
     workspace: Path
     base_url: str
     system_path: str | None
     relay: Relay  # the host side of the container's one way to its proxy
+    client: DockerClient  # the SDK, for the watchdog's reads of the container's size (no process per read)
 
     def run(self, harness: str, argv: list[str], env: dict[str, str], timeout: float) -> HarnessRun:
+        self._copy_home_in()
         exec_argv = ["docker", "exec", "-w", str(self.workspace)]
         exec_argv += [arg for key, value in env.items() for arg in ("-e", f"{key}={value}")]
         exec_argv += [self.name, *argv]
-        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-            start = time.monotonic()
-            proc = subprocess.Popen(exec_argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+        start = time.monotonic()
+        proc = subprocess.Popen(exec_argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert proc.stdout is not None and proc.stderr is not None
+        keep = self.limits.size("output")
+        out, err = OutputTail(proc.stdout, keep), OutputTail(proc.stderr, keep)
+        code, ended_by_limit = self._watch(proc, start + timeout)
+        duration = time.monotonic() - start
+        notes = self._limit_notes()  # before a kill: a restarted container counts afresh
+        if code is None:
+            # Kills every process of the session at once; the restart brings back only the relay, for the patch.
+            docker("kill", self.name, check=False)
+            proc.wait()
+            docker("start", self.name, check=False)
+        run = HarnessRun.of(harness, argv, code, out, err, duration)
+        notes = "; ".join(note for note in (ended_by_limit, notes) if note)
+        stderr = f"{run.stderr}\n[polar docker runtime] {notes}\n" if notes else run.stderr
+        return dataclasses.replace(
+            run, stderr=stderr, timed_out=code is None and ended_by_limit is None, ended_by_limit=ended_by_limit
+        )
+
+    def _watch(self, proc: subprocess.Popen[bytes], deadline: float) -> tuple[int | None, str | None]:
+        """Wait for the harness until ``deadline``, reading the container's written bytes every DISK_POLL_S: its
+        exit code (None when it must be killed) and, when --limits.disk ends it, why."""
+        disk = self.limits.size("disk")
+        while True:
             try:
-                code: int | None = proc.wait(timeout)
+                return proc.wait(max(0.0, min(DISK_POLL_S, deadline - time.monotonic()))), None
             except subprocess.TimeoutExpired:
-                code = None
-            duration = time.monotonic() - start
-            notes = self._limit_notes()  # before a kill: a restarted container counts afresh
-            if code is None:
-                # Kills every process of the session at once; the restart brings back only the relay, for the patch.
-                docker("kill", self.name, check=False)
-                proc.wait()
-                docker("start", self.name, check=False)
-            out.seek(0)
-            err.seek(0)
-            stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
-        if notes:
-            stderr += f"\n[polar docker runtime] {notes}\n"
-        return HarnessRun(harness, argv, code, code is None, stdout, stderr, round(duration, 3))
+                pass
+            if time.monotonic() >= deadline:
+                return None, None
+            if (written := self.written_bytes()) > disk:
+                return None, f"ended at --limits.disk {self.limits.disk}: {written} bytes written in the container"
+
+    def written_bytes(self) -> int:
+        """What the session wrote into its container's layer (/testbed, /tmp, HOME), as the daemon counts it."""
+        listed = self.client.api.containers(all=True, filters={"name": f"^{self.name}$"}, size=True)
+        return int(listed[0].get("SizeRw") or 0) if listed else 0
+
+    def _copy_home_in(self) -> None:
+        """HOME as prepare() filled it, into the container's own layer: bound from the host, it would take what
+        the container writes (a setuid file, a device node) back to the host, outside --limits.disk."""
+        docker("exec", "-u", "0", self.name, "mkdir", "-p", "-m", "1777", str(self.home.parent))
+        archive = io.BytesIO()
+        with tarfile.open(fileobj=archive, mode="w") as tar:
+            tar.add(self.home, arcname=self.home.name)
+        # The image's tar, as the image's user: the files are the harness's own.
+        docker("exec", "-i", self.name, "tar", "-xf", "-", "-C", str(self.home.parent), input=archive.getvalue())
 
     def _limit_notes(self) -> str:
         """What the container's limits refused, read from the host's cgroup files and its relay (the container
@@ -231,18 +321,53 @@ class DockerSandbox:
     def patch(self, base_commit: str) -> str:
         git = ["exec", "-w", str(self.workspace), self.name, *GIT]
         add = docker(*git, "add", "-A", "--", ".", *EXCLUDES, check=False)
-        diff = (
-            add if add.returncode else docker(*git, "diff", "--cached", "--binary", base_commit, "--", ".", *EXCLUDES)
-        )
-        if diff.returncode:
-            raise PatchError(diff.stderr.decode(errors="replace"))
-        return diff.stdout.decode(errors="replace")
+        if add.returncode:
+            raise PatchError(add.stderr.decode(errors="replace"))
+        cli = shutil.which("docker") or "docker"
+        return read_patch([cli, *git, "diff", "--cached", "--binary", base_commit, "--", ".", *EXCLUDES],
+                          self.limits.size("patch"))  # fmt: skip
 
     def keep(self, dest: Path) -> None:
-        """The container's workspace as files of the caller's under ``dest/repo``."""
-        done = docker("exec", self.name, "tar", "-C", str(self.workspace), "-cf", "-", ".")
-        with tarfile.open(fileobj=io.BytesIO(done.stdout)) as archive:
-            archive.extractall(dest / "repo", filter="data")  # no links out of dest, no devices, no owners
+        """The container's workspace and HOME as the caller's files under ``dest/repo`` and ``dest/home``. The
+        daemon's own archive (``docker cp``; nothing of the container runs), streamed, each entry through
+        tarfile's data filter: no setuid or setgid bit, device node, FIFO, or link out of its folder; what is left
+        out is listed in ``dest/left-out.txt``."""
+        left_out: list[str] = []
+        for source, target in ((self.workspace, dest / "repo"), (self.home, dest / "home")):
+            shutil.rmtree(target, ignore_errors=True)  # HOME as prepare() left it: the container's copy replaces it
+            target.mkdir(parents=True)
+            cli = shutil.which("docker") or "docker"
+            proc = subprocess.Popen([cli, "cp", f"{self.name}:{source}", "-"], stdout=subprocess.PIPE,
+                                    stderr=subprocess.DEVNULL)  # fmt: skip
+            assert proc.stdout is not None
+            with proc.stdout, tarfile.open(fileobj=proc.stdout, mode="r|") as archive:
+                archive.extractall(target, filter=_kept(source.name, left_out))
+            proc.wait()
+        if left_out:
+            (dest / "left-out.txt").write_text("".join(f"{line}\n" for line in left_out))
+
+
+def _kept(top: str, left_out: list[str]) -> Callable[[tarfile.TarInfo, str], tarfile.TarInfo | None]:
+    """A tar filter for ``docker cp``'s archive of folder ``top``: its entries relative to the folder, through the
+    data filter; a refused one is named in ``left_out`` and skipped."""
+
+    def inside(name: str) -> str:
+        return name.partition("/")[2] if name.startswith(f"{top}/") else ""
+
+    def kept(member: tarfile.TarInfo, path: str) -> tarfile.TarInfo | None:
+        name = inside(member.name)
+        if not name:
+            return None  # the folder itself
+        member = member.replace(name=name, deep=False)
+        if member.islnk():
+            member = member.replace(linkname=inside(member.linkname), deep=False)
+        try:
+            return tarfile.data_filter(member, path)
+        except tarfile.FilterError as e:
+            left_out.append(f"{top}/{name}: {e}")
+            return None
+
+    return kept
 
 
 @contextlib.contextmanager
@@ -253,12 +378,15 @@ def open_docker(
     *,
     proxy: str,
     run_tag: str,
+    folder: str = "",
     mounts: Sequence[Path] = (),
     limits: Limits = Limits(),
     timeout: float | None = None,
     **_: Any,
 ) -> Iterator[DockerSandbox]:
     require_daemon()
+    import docker as docker_sdk  # the SDK's import costs a second: only where containers run
+
     from eval.images import require_image
 
     image = require_image(task)  # ContainerError naming the image and the command that gets it
@@ -267,36 +395,42 @@ def open_docker(
         raise EvalError(f"--runtime docker relays plain http://HOST:PORT proxies, got {proxy}")
     home = (work / "home").resolve()
     home.mkdir(parents=True, exist_ok=True)
-    # A short folder of its own: a unix socket's path must stay under 108 bytes, which a run folder may not.
-    sockets = Path(tempfile.mkdtemp(prefix="polar-sock-", dir="/tmp"))
+    # A short folder of its own: a unix socket's path must stay under 108 bytes, which a run folder may not. Named
+    # after the run folder, so that a rerun there removes what a killed run left (remove_leftovers).
+    sockets = Path(tempfile.mkdtemp(prefix=f"{SOCKET_PREFIX}{folder}-", dir="/tmp"))
     relay = Relay(f"unix:{sockets}/proxy.sock", f"tcp:{url.hostname}:{url.port}", limits.connections).start()
+    sockets.chmod(0o755)  # the container's user (not root in our images) connects through the read-only bind
+    (sockets / "proxy.sock").chmod(0o666)
     name = container_name(session_id)
     python = Path(sys.executable)
-    binds = [
-        (home, home, "rw"),
-        (sockets, Path(SOCKET_DIR), "ro"),
-        (Path(__file__).with_name("relay.py"), Path(RELAY), "ro"),
-    ]
+    binds = [(sockets, Path(SOCKET_DIR), "ro"), (Path(__file__).with_name("relay.py"), Path(RELAY), "ro")]
     binds += [(Path(p), Path(p), "ro") for p in {sys.prefix, sys.base_prefix}]
     binds += [(Path(m).resolve(), Path(m).resolve(), "ro") for m in mounts]
     argv = ["run", "-d", "--init", "--name", name, "--label", f"{RUN_LABEL}={run_tag}"]
-    argv += ["--label", f"{SESSION_LABEL}={session_id}", "--network", "none", "--hostname", "sandbox"]
+    argv += ["--label", f"{SESSION_LABEL}={session_id}", "--label", f"{FOLDER_LABEL}={folder}"]
+    argv += ["--network", "none", "--hostname", "sandbox"]
     argv += ["--cpus", f"{limits.cpus:g}", "--memory", limits.memory, "--memory-swap", limits.memory]
     argv += ["--pids-limit", str(limits.pids), "-w", WORKDIR]
+    # Least privilege: of root's capabilities, only those a package install as root needs (an image whose user is
+    # root, as SWE-bench's), and no setuid gain; a log the session cannot grow (its output comes through exec).
+    argv += ["--cap-drop", "ALL", *(arg for cap in CAPABILITIES for arg in ("--cap-add", cap))]
+    argv += ["--security-opt", "no-new-privileges", "--log-driver", "json-file"]
+    argv += ["--log-opt", "max-size=1m", "--log-opt", "max-file=1"]
     argv += [arg for source, target, mode in binds for arg in ("-v", f"{source}:{target}:{mode}")]
     argv += ["--entrypoint", str(python), image, "-P", RELAY]
     argv += ["--listen", f"tcp:127.0.0.1:{url.port}", "--connect", f"unix:{SOCKET_DIR}/proxy.sock"]
     argv += ["--deadline", f"{timeout + DEADLINE_GRACE_S:g}"] if timeout is not None else []
+    client = docker_sdk.DockerClient(base_url=daemon_address())
     try:
         docker(*argv)
         _wait_for_relay(name)
         env = image_config(image).get("Env") or []
         path = next((e.removeprefix("PATH=") for e in env if e.startswith("PATH=")), None)
-        yield DockerSandbox(name, image, home, limits, Path(WORKDIR), f"http://127.0.0.1:{url.port}", path, relay)
+        base_url = f"http://127.0.0.1:{url.port}"
+        yield DockerSandbox(name, image, home, limits, Path(WORKDIR), base_url, path, relay, client)
     finally:
-        if os.geteuid() != 0:  # what the container's root wrote into the bound HOME goes back to the caller
-            docker("exec", name, "chown", "-R", f"{os.getuid()}:{os.getgid()}", str(home), check=False)
         docker("rm", "-f", "-v", name, check=False)
+        client.close()
         relay.stop()
         shutil.rmtree(sockets, ignore_errors=True)
 
@@ -317,8 +451,21 @@ def _wait_for_relay(name: str) -> None:
 
 
 def remove_run(run_tag: str) -> int:
-    """Remove every container left by the run ``run_tag`` (a killed rollout's); returns how many."""
-    listed = docker("ps", "-aq", "--filter", f"label={RUN_LABEL}={run_tag}", check=False).stdout.decode().split()
+    """Remove every container of the run ``run_tag`` (a stopped rollout's); returns how many."""
+    return _remove(f"{RUN_LABEL}={run_tag}")
+
+
+def remove_leftovers(folder: str) -> int:
+    """Remove what rollouts into the run folder labelled ``folder`` left behind (a ``kill -9``): its containers and
+    its temporary folders, never another folder's. Only while holding that folder's lock (eval.rollout): no live
+    rollout writes there then. Returns how many containers went."""
+    for leftover in Path(tempfile.gettempdir()).glob(f"{SOCKET_PREFIX}{folder}-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    return _remove(f"{FOLDER_LABEL}={folder}")
+
+
+def _remove(label: str) -> int:
+    listed = docker("ps", "-aq", "--filter", f"label={label}", check=False).stdout.decode().split()
     if listed:
         docker("rm", "-f", "-v", *listed, check=False)
     return len(listed)

@@ -122,7 +122,7 @@ class Job:
     harness_failed: bool  # crashed / timed out / never set up: an empty patch is the harness's fault
 
 
-HARNESS_FAILED = ("crashed", "timeout", "setup_failed")
+HARNESS_FAILED = ("crashed", "timeout", "setup_failed", "patch_too_large")
 APPLY_COMMANDS = (["git", "apply", "--verbose"], ["patch", "--batch", "--forward", "--fuzz=5", "-p1", "-i"])
 
 

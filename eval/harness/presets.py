@@ -38,12 +38,15 @@ import tyro
 
 from eval.errors import EvalError
 from eval.harness.install import CACHE, PACKAGE_JSON, install
-from eval.procs import check_proxy, stop_tree
+from eval.procs import OutputTail, check_proxy, stop_tree
 
 __all__ = ["PRESETS", "HarnessRun", "Name", "Preset", "Setup", "base_env", "prepare", "run_harness", "run_process"]
 
 API_KEY_ENV = "POLAR_API_KEY"  # where presets that read the key from a named variable find it
 MINI = Path(__file__).with_name("mini.py")
+# Bytes of a harness's stdout and of its stderr kept, the last ones (--limits.output): the final answer and the
+# error are at the end, and a session that prints without end costs this much memory and disk, no more.
+OUTPUT_KEEP = 4 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,11 +55,21 @@ class HarnessRun:
 
     harness: str
     command: list[str]
-    exit_code: int | None  # None when it was killed at the timeout
+    exit_code: int | None  # None when it was killed at the timeout or at a limit
     timed_out: bool
-    stdout: str
+    stdout: str  # its last OUTPUT_KEEP bytes (a first line says so when more was printed)
     stderr: str
     duration_s: float
+    stdout_bytes: int = 0  # all it printed
+    stderr_bytes: int = 0
+    ended_by_limit: str | None = None  # which of the runtime's limits ended it, with the figures
+
+    @classmethod
+    def of(
+        cls, harness: str, argv: list[str], code: int | None, out: OutputTail, err: OutputTail, duration: float
+    ) -> HarnessRun:
+        stdout, stderr = out.text(), err.text()
+        return cls(harness, argv, code, code is None, stdout, stderr, round(duration, 3), out.size, err.size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,23 +431,25 @@ def prepare(
     return argv, base_env(s.home, bin_dir, system_path) | extra
 
 
-def run_process(harness: str, argv: list[str], env: dict[str, str], cwd: Path, timeout: float) -> HarnessRun:
-    # Output goes to files, not pipes: a tool's background child that keeps a pipe open would hang the read.
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        start = time.monotonic()
-        proc = subprocess.Popen(
-            argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True
-        )
-        try:
-            code: int | None = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            code = None
-        duration = time.monotonic() - start
-        stop_tree(proc)  # shell tools and helpers it left running go with it
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
-    return HarnessRun(harness, argv, code, code is None, stdout, stderr, round(duration, 3))
+def run_process(
+    harness: str, argv: list[str], env: dict[str, str], cwd: Path, timeout: float, *, keep: int = OUTPUT_KEEP
+) -> HarnessRun:
+    """``argv`` under ``timeout``, its tree stopped afterwards; of its stdout and stderr, the sizes and the last
+    ``keep`` bytes each (eval.procs.OutputTail), so printing without end costs no memory."""
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        start_new_session=True,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    out, err = OutputTail(proc.stdout, keep), OutputTail(proc.stderr, keep)
+    try:
+        code: int | None = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        code = None
+    duration = time.monotonic() - start
+    stop_tree(proc)  # shell tools and helpers it left running go with it, and with them the pipes' last writers
+    return HarnessRun.of(harness, argv, code, out, err, duration)
 
 
 @dataclasses.dataclass

@@ -179,7 +179,8 @@ for a in (("127.0.0.1", {trap_port}), ("10.255.255.1", 80)):
 """
     argv = 'tr "\\0" "\\n" < /proc/$PPID/cmdline'  # mini's own argv: its base URL and key
     escape = f"""
-echo escaped > /etc/polar-escaped && echo "wrote /etc/polar-escaped"
+echo "user: $(id -un) $(grep CapEff /proc/self/status)"
+{{ echo escaped > /etc/polar-escaped && echo "wrote /etc/polar-escaped"; }} 2>/dev/null || echo "cannot write /etc"
 mkdir -p {host_dir} && echo escaped > {host_dir}/escaped && echo "wrote {host_dir}/escaped"
 cat {host_dir}/host-secret.txt 2>/dev/null || echo "no host secret file"
 echo "host secret in env: $(env | grep -c POLAR_HOST_SECRET)"
@@ -244,7 +245,8 @@ def test_hostile_sessions_are_contained_and_recorded_as_what_they_were(
                 assert len(records[sid]) == 2  # its own two calls: the forged ones were filed nowhere
                 [result] = [m["content"] for m in records[sid][1]["request"]["messages"] if m["role"] == "tool"]
                 for seen in (
-                    "wrote /etc/polar-escaped", f"wrote {host_dir}/escaped", "no host secret file",
+                    "user: polar CapEff:\t0000000000000000", "cannot write /etc", f"wrote {host_dir}/escaped",
+                    "no host secret file",
                     "host secret in env: 0", "homes: 1", "memory hog: exit 137", "unsigned key: 403",
                     "forged key: 403", f"cannot reach 127.0.0.1 {trap_port}", "cannot reach 10.255.255.1 80",
                 ):  # fmt: skip

@@ -46,7 +46,10 @@ def test_keys_chain_from_base_to_task_and_ignore_the_task_name() -> None:
     task = load_tasks("family:heldout")[0]
     layer = images.task_layer(env, task)
     assert layer.tag == task["image"] and "STOPSIGNAL SIGKILL" in layer.dockerfile
-    assert layer.dockerfile.startswith(f"FROM {env.tag}\nCOPY testbed /testbed\nWORKDIR /testbed\n")
+    assert layer.dockerfile.startswith(
+        f"FROM {env.tag}\nCOPY --chown=polar:polar testbed /testbed\nWORKDIR /testbed\nUSER polar\n"
+    )  # the session runs as the user the env layer adds, owning its checkout
+    assert "useradd --create-home --shell /bin/bash polar" in env.dockerfile
     assert images.task_layer(env, {**task, "image": "x/y:1", "instance_id": "other"}).key == layer.key
     assert images.task_layer(env, {**task, "base_commit": "f" * 40}).key != layer.key
     assert images.task_layer(images.env_layer(other_base), task).key != layer.key

@@ -147,16 +147,20 @@ def test_join_refuses_two_rewards_for_one_session(tmp_path):
         join.join(traces(("s-a", None, None)), tmp_path)
 
 
-def test_a_version_1_sessions_table_reads_with_null_phase_times_and_another_version_is_refused(tmp_path):
+def test_older_sessions_tables_read_with_the_added_columns_null_and_another_version_is_refused(tmp_path):
     run_tables(tmp_path, sessions=[("s-a", "task-a", 0)], rewards=[("s-a", "task-a", 0, 1.0)])
     path = tmp_path / SESSIONS
-    version_1 = read_sessions(tmp_path).drop("setup_s", "patch_s")
-    write_versioned_parquet(version_1, path, VERSION_KEY, 1)
-    old = read_sessions(tmp_path)
-    assert old.columns == list(SESSIONS_SCHEMA) and old.row(0, named=True)["setup_s"] is None
-    assert old["duration_s"].to_list() == [1.0]
-    write_versioned_parquet(version_1, path, VERSION_KEY, 3)
-    with pytest.raises(RunError, match=r"sessions\.parquet: run table format version '3', expected 2"):
+    current = read_sessions(tmp_path)
+    for version, dropped in (
+        (1, ["setup_s", "patch_s", "stdout_bytes", "stderr_bytes"]),
+        (2, ["stdout_bytes", "stderr_bytes"]),
+    ):
+        write_versioned_parquet(current.drop(dropped), path, VERSION_KEY, version)
+        old = read_sessions(tmp_path)
+        assert old.columns == list(SESSIONS_SCHEMA) and old["duration_s"].to_list() == [1.0]
+        assert all(old.row(0, named=True)[column] is None for column in dropped)
+    write_versioned_parquet(current, path, VERSION_KEY, 4)
+    with pytest.raises(RunError, match=r"sessions\.parquet: run table format version '4', expected 3"):
         read_sessions(tmp_path)
 
 

@@ -6,11 +6,16 @@ The reference server replays one script for every session, so its one tool call 
 the workspace is at: the gold patch on the first task (resolved), a wrong edit on the second (unresolved).
 """
 
+import contextlib
 import datetime
 import json
+import re
 import shlex
 import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -22,7 +27,7 @@ from eval.errors import EvalError
 from eval.harness.presets import MINI
 from eval.rollout import Args, main, session_id
 from eval.runs import read_rewards, read_sessions
-from eval.runtime import take_patch
+from eval.runtime import Limits, take_patch
 from eval.tasks import checkout, load_tasks
 from reconstruct import schema
 from tests.captures import read_records, scripted_proxy, tokens_of
@@ -205,7 +210,7 @@ def test_patch_leaves_out_harness_folders_but_keeps_new_files_and_commits(tasks,
     git = ["git", "-C", str(repo), "-c", "user.name=agent", "-c", "user.email=agent@example.invalid"]
     subprocess.run([*git, "commit", "-qm", "the agent commits"], check=True)
     (repo / "binary.bin").write_bytes(bytes(range(256)))
-    patch = take_patch(repo, tasks["fixed"]["base_commit"])
+    patch = take_patch(repo, tasks["fixed"]["base_commit"], 1 << 20)
     files = [line.split(" b/")[-1] for line in patch.splitlines() if line.startswith("diff --git")]
     assert files == ["binary.bin", "new_module.py"]
     assert "GIT binary patch" in patch
@@ -253,3 +258,73 @@ def test_a_run_folder_with_another_runs_tasks_is_refused_and_left_as_it_was(task
     assert main(args) == 0  # writes it, then a rerun into the same folder with the same tasks may go on
     (out / "sessions.parquet").unlink()
     assert main(args) == 0
+
+
+def peak_rss(proc: subprocess.Popen) -> int:
+    """``proc``'s peak resident memory in bytes (VmHWM), read until it exits."""
+    peak = 0
+    while proc.poll() is None:
+        with contextlib.suppress(OSError):
+            if match := re.search(r"VmHWM:\s+(\d+) kB", Path(f"/proc/{proc.pid}/status").read_text()):
+                peak = max(peak, int(match[1]) * 1024)  # none once it is a zombie
+        time.sleep(0.05)
+    return peak
+
+
+@pytest.mark.slow
+def test_output_and_patches_past_their_limits_cost_no_memory_and_leave_no_data(tasks, tmp_path):
+    """A session printing 500 MB and one leaving a 3 MB patch, at --limits.output 64k and --limits.patch 1m: the
+    logs keep the tails and the sizes, the patch is not taken, and the rollout's memory never holds the output."""
+    printed = 500_000_000  # the rollout itself is about 220 MB
+    loud = f"head -c {printed} /dev/zero | tr '\\0' x; head -c 1000000 /dev/zero | tr '\\0' y >&2"
+    big = "head -c 2300000 /dev/urandom | base64 > big.txt"
+    save = tmp_path / "tasks.jsonl"
+    save.write_text("".join(json.dumps(tasks[name]) + "\n" for name in ("fixed", "wrong")))
+    command = by_commit({"fixed": loud, "wrong": big}, tasks, "true") + "; : {instruction}"
+    cli = [sys.executable, "-m", "eval", "rollout", "--tasks", str(save), "--harness", "shell", "--command", command]
+    cli += ["--proxy", "http://127.0.0.1:9", "--no-proxy-check", "--out", str(tmp_path / "run")]
+    cli += ["--limits.output", "64k", "--limits.patch", "1m"]
+    with open(tmp_path / "rollout.log", "wb") as log:
+        proc = subprocess.Popen(cli, stdout=log, stderr=subprocess.STDOUT)
+        peak = peak_rss(proc)
+    assert proc.wait() == 0, (tmp_path / "rollout.log").read_text()
+    assert 0 < peak < printed * 0.7, f"the rollout peaked at {peak / 2**20:.0f} MiB"
+
+    sessions = read_sessions(tmp_path / "run").sort("task_id")
+    rows = {row["task_id"]: row for row in sessions.iter_rows(named=True)}
+    loud_row, big_row = rows[tasks["fixed"]["instance_id"]], rows[tasks["wrong"]["instance_id"]]
+    assert (loud_row["status"], loud_row["stdout_bytes"], loud_row["stderr_bytes"]) == ("no_edit", printed, 1_000_000)
+    logs = tmp_path / "run" / "logs" / loud_row["session_id"]
+    stdout = (logs / "stdout.txt").read_text()
+    assert stdout.startswith(f"[polar: {printed} bytes of output, the last 65536 kept]\n")
+    assert stdout.endswith("x" * 65536) and len(stdout) < 65536 + 100
+    assert (logs / "stderr.txt").read_text().endswith("y" * 65536)
+    assert big_row["status"] == "patch_too_large" and big_row["patch"] == ""
+    assert big_row["error"] == "the patch is past --limits.patch (1048576 bytes); not taken"
+
+
+def test_a_rerun_removes_what_a_killed_run_left_in_its_folder_and_only_that(tasks, tmp_path):
+    """Workspace folders a ``kill -9`` left: a rerun into the same run folder removes its own, never another run
+    folder's; two rollouts never write one folder at once."""
+    out, other = tmp_path / "run", tmp_path / "other"
+    out.mkdir()
+    left = [Path(tempfile.mkdtemp(prefix=f"{rollout.WORK_PREFIX}{rollout.folder_label(run)}-")) for run in (out, other)]
+    args = Args(
+        tasks="toy", instance_ids=(tasks["fixed"]["instance_id"],), harness="shell", command="true {instruction}",
+        proxy="http://127.0.0.1:9", out=out, proxy_check=False,
+    )  # fmt: skip
+    with rollout.folder_lock(out), pytest.raises(EvalError, match="another rollout is writing this run folder"):
+        main(args)
+    assert all(folder.is_dir() for folder in left)
+    assert main(args) == 0
+    assert not left[0].exists() and left[1].is_dir()
+    left[1].rmdir()
+
+
+def test_limits_name_the_flag_and_what_was_expected():
+    with pytest.raises(ValueError, match=r"--limits.disk: expected a size such as 512k, 16m or 10g, got 'lots'"):
+        Limits(disk="lots")
+    with pytest.raises(ValueError, match=r"--limits.patch: expected a positive size, got '0'"):
+        Limits(patch="0")
+    assert Limits(output="64k").size("output") == 65536 and Limits().size("disk") == 10 * 2**30
+    assert Limits(memory="1.5g").size("memory") == 3 * 2**29 and Limits(patch="512").size("patch") == 512
