@@ -13,6 +13,9 @@ writable, records written), so clients can tell a recording proxy from one whose
 load; while records cannot be written, calls are refused with 503, never forwarded unrecorded. With
 ``polar_secret_file`` set, only a call whose key is signed with that secret (``addon/session.py``) names a session;
 any other is answered 403 here, never forwarded, never recorded, and counted (``refused_keys`` in the health answer).
+A request body over ``polar_max_body_mb`` is answered 413 by mitmproxy before more than that is read (the addon sets
+its ``body_size_limit``), never forwarded, never recorded, and counted (``too_large``); one session whose records wait
+to be written past its share of ``polar_backlog_mb`` gets 503 for its own calls while the others go on.
 Imports only the standard library and mitmproxy, so a standalone mitmproxy can load it.
 """
 
@@ -62,9 +65,20 @@ log = logging.getLogger(__name__)
 UPSTREAMS = ("vllm", "sglang", "plain")
 TRANSLATE = ("auto", "never")
 FORMATS = (1, record_v2.FORMAT_VERSION)
+TOO_LARGE_ERROR = "Request body exceeds"  # mitmproxy 11's flow error for a request body over its body_size_limit
 METADATA_KEY = "polar"
 CAP_KEY = "polar.cap"  # (models URL, model) of a call whose output cap the addon checked
 SALT_FILE = ".session-salt"
+# polar_max_body_mb's default. The largest real harness requests: Claude Code's first is 50-87 KB, Codex's 27-42 KB;
+# a long session resends its history and grows to a few MB at most (a 128K-256K-token context is ~1-2 MB of JSON,
+# base64 images add to it). 32 MiB is ten times that, and what Anthropic's own Messages API takes in one request, so
+# no call a provider would take is refused; it bounds what one request can make the proxy hold (mitmdump holds a
+# body it takes at about 7x its size at the peak, docs/failures.md).
+MAX_BODY_MB = 32
+# One session may hold at most this fraction (1/N) of polar_backlog_mb in records waiting to be written: a session
+# flooding records gets 503 for its own calls, and the other sessions keep three quarters of the backlog. An
+# agent has one call in flight and a record of a few MB at most, far under a quarter of the 256 MiB default.
+SESSION_SHARE = 4
 
 
 def guarded(hook: Callable[..., None]) -> Callable[..., None]:
@@ -114,7 +128,11 @@ class Polar:
         self.secret: bytes | None = None  # polar_secret_file's: only keys signed with it name a session
         self.secret_problem: str | None = None  # polar_secret_file is set but could not be read: every call refused
         self.refused_keys = 0  # calls answered 403 because their key was not a signed one
+        self.refused_share = 0  # model calls answered 503 because their session held its share of the backlog
+        self.too_large = 0  # requests answered 413 because their body was over polar_max_body_mb
         self.backlog_bytes = 256 << 20
+        self.max_body = MAX_BODY_MB << 20  # polar_max_body_mb
+        self._body_size_limit: str | None = None  # the value of mitmproxy's body_size_limit this addon set
         self.max_decoded = 128 << 20  # polar_max_decoded_mb
         self._handing_over: dict[str, Exchange] = {}  # by id: submitted on the next loop step; done() flushes them
         self.upstream = "vllm"
@@ -186,7 +204,14 @@ class Polar:
             int,
             256,
             "Refuse model calls (503) while more than this many MiB of records wait to be written "
-            "(a slow or full disk).",
+            "(a slow or full disk), and one session's calls while a quarter of that is its own.",
+        )
+        loader.add_option(
+            "polar_max_body_mb",
+            int,
+            MAX_BODY_MB,
+            "Largest request body (MiB): a larger one is answered 413 before more than this is read (sets "
+            "mitmproxy's body_size_limit, which then also bounds the answers it buffers), never forwarded or recorded.",
         )
 
     def configure(self, updated: set[str]) -> None:
@@ -211,6 +236,8 @@ class Polar:
                     f"polar_max_decoded_mb must be at least 1, not {opts.polar_max_decoded_mb}"
                 )
             self.max_decoded = opts.polar_max_decoded_mb << 20
+        if updated & {"polar_max_body_mb", "body_size_limit"}:
+            self._limit_bodies(opts.polar_max_body_mb)
         if "polar_translate" in updated and opts.polar_translate not in TRANSLATE:
             raise exceptions.OptionsError(f"polar_translate must be auto or never, not {opts.polar_translate!r}")
         self.upstream_key = opts.polar_upstream_key
@@ -234,6 +261,26 @@ class Polar:
                 format_version=opts.polar_format,
             )
             self._salt = None
+
+    def _limit_bodies(self, mb: int) -> None:
+        """Bound request bodies by mitmproxy's own ``body_size_limit``. It refuses a body whose Content-Length is over
+        it right after the headers, before reading any of it, and a chunked one as soon as it has read past it, with a
+        413 that ``proxy_errors`` shapes as the client's API; the request hook never runs, so nothing is forwarded or
+        recorded, and the error hook counts it. An addon hook could not do this: a response set in ``requestheaders``
+        is sent only after mitmproxy has read the whole body."""
+        if mb < 1:
+            raise exceptions.OptionsError(f"polar_max_body_mb must be at least 1, not {mb}")
+        self.max_body = mb << 20
+        if "body_size_limit" not in ctx.options:  # a test context without mitmproxy's proxy server
+            return
+        current = ctx.options.body_size_limit
+        if current is not None and current != self._body_size_limit:
+            raise exceptions.OptionsError(
+                f"body_size_limit is set by the polar addon from polar_max_body_mb; set that instead of {current!r}"
+            )
+        self._body_size_limit = str(self.max_body)
+        if current != self._body_size_limit:
+            ctx.options.body_size_limit = self._body_size_limit
 
     def _load_secret(self, path: str) -> None:
         """Read ``polar_secret_file``; an error stops mitmdump at start (and names the file), and until a later
@@ -307,6 +354,7 @@ class Polar:
                 "polar_fsync": opts.polar_fsync,
                 "polar_rotate_mb": opts.polar_rotate_mb,
                 "polar_backlog_mb": opts.polar_backlog_mb,
+                "polar_max_body_mb": opts.polar_max_body_mb,
                 "polar_secret_file": opts.polar_secret_file,
             },
             "writable": problem is None and _writable_folder(Path(opts.polar_dir)),
@@ -314,6 +362,8 @@ class Polar:
             "records_written": writer.records_written if writer else 0,
             "backlog_bytes": writer.backlog_bytes if writer else 0,
             "refused": self.refused,
+            "refused_share": self.refused_share,
+            "too_large": self.too_large,
             "signed_keys": self.checks_keys,
             "refused_keys": self.refused_keys,
             "capture_file": str(writer.path) if writer and writer.path else None,
@@ -332,6 +382,19 @@ class Polar:
             return f"{mb:.0f} MiB of records wait to be written (polar_backlog_mb={self.backlog_bytes >> 20})"
         return None
 
+    def _over_share(self, session_id: str) -> str | None:
+        """Why ``session_id``'s calls are refused while others go on (its records hold more than its share of the
+        backlog), or None."""
+        if self.writer is None:
+            return None
+        held, share = self.writer.session_backlog(session_id), self.backlog_bytes // SESSION_SHARE
+        if held <= share:
+            return None
+        return (
+            f"{held / (1 << 20):.1f} MiB of its records wait to be written, over its share of "
+            f"{share / (1 << 20):.1f} MiB: 1/{SESSION_SHARE} of polar_backlog_mb={self.backlog_bytes >> 20}"
+        )
+
     def _refuse_failed_request(self, flow: http.HTTPFlow, e: Exception) -> None:
         """A request hook that raised: answer the model call here and record why; forward nothing else."""
         ex = flow.metadata.get(METADATA_KEY)
@@ -346,9 +409,7 @@ class Polar:
         if not isinstance(ex, Exchange) and self.checks_keys:
             return  # answered, not forwarded; no session was accepted, so nothing is recorded in one
         if not isinstance(ex, Exchange):
-            path = flow.request.path.partition("?")[0]  # no query string: it may hold a key
-            if m := session.PATH_PREFIX.match(path):  # nor a session prefix: it may be a secret
-                path = m.group(2) or "/"
+            path = session.bare_path(flow.request.path)  # no query string nor session prefix: they may hold a key
             ex = Exchange(
                 session_id="anonymous",
                 session_source="anonymous",
@@ -433,6 +494,11 @@ class Polar:
             # backlog needs. Paths the addon does not know are refused too: nothing it records goes unrecorded.
             self.refused += 1
             message = f"polar is not recording ({problem}); refusing calls until it is"
+            flow.response = translating.json_response(503, translating.error_body(ex.api, 503, message))
+            return
+        if problem := self._over_share(found.id):  # this session's records flood the backlog: only its calls wait
+            self.refused_share += 1
+            message = f"polar refuses this session's calls until more of its records are written ({problem})"
             flow.response = translating.json_response(503, translating.error_body(ex.api, 503, message))
             return
         flow.metadata[METADATA_KEY] = ex
@@ -597,10 +663,20 @@ class Polar:
 
     @guarded
     def error(self, flow: http.HTTPFlow) -> None:
+        message = flow.error.msg if flow.error else "unknown error"
+        if message.startswith(TOO_LARGE_ERROR):  # mitmproxy refused the body (body_size_limit) before our request hook
+            self.too_large += 1
+            log.warning(
+                "polar: refused %s %s: its body is over polar_max_body_mb=%d (%d refused so far)",
+                flow.request.method,
+                session.bare_path(flow.request.path),
+                self.max_body >> 20,
+                self.too_large,
+            )
+            return
         ex = flow.metadata.get(METADATA_KEY)
         if not isinstance(ex, Exchange):
             return
-        message = flow.error.msg if flow.error else "unknown error"
         # Before response headers the upstream failed us; after them, whoever hung up (issue 16).
         upstream_side = ex.status is None or _upstream_broke_off(flow, message)
         wire_api = "chat" if flow.metadata.get(translating.TRANSLATION_KEY) is not None else ex.api

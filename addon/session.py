@@ -130,6 +130,14 @@ def read_secret(path: str | Path) -> bytes:
     return secret
 
 
+def bare_path(path: str) -> str:
+    """``path`` without what may hold a key: its query string and a session prefix (for logs and refusals)."""
+    path = path.partition("?")[0]
+    if m := PATH_PREFIX.match(path):
+        path = m.group(2) or "/"
+    return path
+
+
 def resolve(headers: dict[str, str], path: str, salt: bytes, secret: bytes | None = None) -> Session:
     """``headers`` with lower-case names; ``path`` with its query string. With ``secret``, only a signed key
     (:func:`verify_key`) names a session; anything else is a :class:`Session` with ``refused`` set."""

@@ -13,7 +13,8 @@ When a write fails (disk full, quota, I/O error, a removed folder) the lines tha
 cut off again (``ftruncate`` back to the last whole line, so no torn line is left), kept, and
 retried every :data:`RETRY_SECONDS`; :attr:`CaptureWriter.failure` says why, so the addon refuses
 new model calls until recording works. :attr:`CaptureWriter.backlog_bytes` is what waits in memory;
-the addon also refuses calls while it is over its bound. On :meth:`CaptureWriter.close` the writer
+the addon also refuses calls while it is over its bound, and a session's calls while that session's own part of it
+(:meth:`CaptureWriter.session_backlog`) is over its share. On :meth:`CaptureWriter.close` the writer
 keeps trying for a bounded time, then gives up and logs every record it could not write (id,
 session, API, status), also kept in :attr:`CaptureWriter.unwritten`.
 """
@@ -80,6 +81,7 @@ class CaptureWriter:
         self.records_written = 0
         self.unwritten: list[str] = []  # records given up at close, described
         self._backlog = 0
+        self._by_session: dict[str, int] = {}  # the backlog by session id; a session leaves once its part is written
         self._lock = threading.Lock()
         self._give_up_at: float | None = None  # set by close(): past it, each write gets one try
         self._fd: int | None = None
@@ -103,10 +105,15 @@ class CaptureWriter:
         """Bytes of records submitted and not yet on disk (bodies and chunks, before encoding)."""
         return self._backlog
 
+    def session_backlog(self, session_id: str) -> int:
+        """The part of :attr:`backlog_bytes` that is ``session_id``'s records."""
+        return self._by_session.get(session_id, 0)
+
     def submit(self, exchange: Exchange) -> None:
         size = exchange_size(exchange)
         with self._lock:
             self._backlog += size
+            self._by_session[exchange.session_id] = self._by_session.get(exchange.session_id, 0) + size
         self._queue.put((exchange, size))
 
     def close(self, timeout: float | None = None) -> list[str]:
@@ -158,7 +165,7 @@ class CaptureWriter:
             record = to_record(exchange, self.decode_content)
         except Exception as e:  # a bug here loses this record only, and says so
             log.exception("polar: could not encode record %s; it is lost", exchange.id)
-            self._done(size)
+            self._done(exchange.session_id, size)
             self.unwritten.append(f"record {exchange.id} (session {exchange.session_id}): not encodable: {e}")
             return None
         length = len(record.request) + len(record.upstream_request) + len(record.head.get("response_body") or "")
@@ -170,9 +177,12 @@ class CaptureWriter:
             return [v1_parts(line.record) for line in lines]
         return [self._encoder.encode(line.record) for line in lines]
 
-    def _done(self, size: int) -> None:
+    def _done(self, session_id: str, size: int) -> None:
         with self._lock:
             self._backlog -= size
+            left = self._by_session.pop(session_id, 0) - size
+            if left > 0:
+                self._by_session[session_id] = left
 
     def _write_until_done(self, lines: list[Line]) -> None:
         if self._fd is not None and self._size >= self.rotate_bytes:
@@ -180,14 +190,14 @@ class CaptureWriter:
         while lines:
             whole = self._write_once(lines)  # lines fully on disk
             for line in lines[:whole]:
-                self._done(line.size)
+                self._done(line.session_id, line.size)
             self.records_written += whole
             lines = lines[whole:]
             if not lines:
                 break
             if self._give_up_at is not None and time.monotonic() >= self._give_up_at:
                 for line in lines:
-                    self._done(line.size)
+                    self._done(line.session_id, line.size)
                     self.unwritten.append(f"{line.describe()}: {self.failure}")
                 return
             time.sleep(RETRY_SECONDS)

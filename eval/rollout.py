@@ -81,7 +81,8 @@ class Args:
 
     # ---- what to run
     tasks: str
-    """"toy" (the shipped toy tasks) or a JSON / JSONL / Parquet file of SWE-bench-shaped instances."""
+    """"toy" (the shipped toy tasks), "family[:train|:heldout][@SEED]" (the generated family, one split or both, of
+    seed SEED, default 0), or a JSON / JSONL / Parquet file of SWE-bench-shaped instances."""
     harness: Name
     """Harness preset (eval/harness/presets.py): an npm CLI, mini (eval/harness/mini.py) or shell."""
     out: Path

@@ -10,7 +10,8 @@
 ``python -m reconstruct --sessions RUN_DIR/sessions.parquet`` maps sessions to tasks in the trajectories, and
 ``python -m eval join`` fills their rewards. The format version is stored in the Parquet key-value metadata under
 ``polar.run.version``: 1 for rewards, 3 for sessions (2 added ``setup_s`` and ``patch_s``, 3 ``stdout_bytes``,
-``stderr_bytes`` and the status ``patch_too_large``; an older sessions table reads with the added columns null). Writes are atomic (``reconstruct.files``: temporary file, then rename).
+``stderr_bytes`` and the status ``patch_too_large``; an older sessions table reads with the added columns null).
+Writes are atomic (``reconstruct.files``: temporary file, then rename).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ SESSIONS_SCHEMA = pl.Schema(
         "patch_s": pl.Float64,  # taking the patch after the harness exited; null when it never ran
         "patch": pl.String,  # `git diff --cached --binary` of the workspace, harness folders dropped; "" if none
         "error": pl.String,  # why a session is not "ok" (last lines of stderr, setup failure); null when ok
-        "stdout_bytes": pl.Int64,  # all the harness printed (logs/<session_id>/stdout.txt keeps the last --limits.output)
+        "stdout_bytes": pl.Int64,  # all the harness printed (logs/<session_id>/stdout.txt: the last --limits.output)
         "stderr_bytes": pl.Int64,  # null when it never ran
     }
 )

@@ -94,7 +94,8 @@ FAMILY = "family"  # load_tasks("family[:train|:heldout][@SEED]"): the generated
 def load_tasks(
     spec: str | Path, instance_ids: Sequence[str] | None = None, *, check: bool = True
 ) -> list[dict[str, Any]]:
-    """Instances of ``spec`` (``"toy"``, a .json/.jsonl/.parquet file, or a hub dataset name), validated, with
+    """Instances of ``spec`` (``"toy"``, ``"family[:train|:heldout][@SEED]"``, a .json/.jsonl/.parquet file, or a
+    hub dataset name), validated, with
     FAIL_TO_PASS/PASS_TO_PASS as lists; only ``instance_ids`` when given (all of them must exist).
     ``check=False`` returns them as loaded, for callers that check each one alone (``grade`` scores a broken
     instance ``eval_error`` instead of refusing the whole run)."""

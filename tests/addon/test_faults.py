@@ -15,9 +15,11 @@ import zlib
 
 import pytest
 from mitmproxy.addons.disable_h2c import DisableH2C
+from mitmproxy.exceptions import OptionsError
+from mitmproxy.flow import Error
 from mitmproxy.test import tflow, tutils
 
-from addon import polar, writer
+from addon import polar, proxy_errors, writer
 from addon.record import ELIDED, Exchange
 from addon.session import resolve
 from tests.addon.test_polar import make_chat_flow, read_records, run_exchange, set_response
@@ -105,6 +107,73 @@ def finish(addon, flow):
     addon.responseheaders(flow)
     flow.response.raw_content = b"{}"
     addon.response(flow)
+
+
+class SlowDisk:
+    """``os.writev`` for the writer that waits until ``go()``: records wait in the backlog, and nothing fails."""
+
+    def __init__(self) -> None:
+        self.real = os.writev
+        self.free = threading.Event()
+
+    def __call__(self, fd, buffers):
+        self.free.wait(60)
+        return self.real(fd, buffers)
+
+    def go(self):
+        self.free.set()
+
+
+def call_as(addon, session, *, size=100_000):
+    """One chat call of ``session`` through the hooks; returns its status (503: refused by the addon)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "x" * size}]}
+    flow = make_chat_flow(body=body, headers=((b"authorization", f"Bearer {session}".encode()),))
+    addon.request(flow)
+    if flow.response is not None:
+        addon.response(flow)
+        return flow.response.status_code, json.loads(flow.response.content)["error"]["message"]
+    finish(addon, flow)
+    return 200, None
+
+
+def test_one_session_past_its_share_of_the_backlog_gets_503_while_the_others_record(addon, tctx, tmp_path, monkeypatch):
+    disk = SlowDisk()
+    monkeypatch.setattr(writer.os, "writev", disk)
+    tctx.configure(addon, polar_backlog_mb=1)  # a session's share: 256 KiB
+    share = (1 << 20) // polar.SESSION_SHARE
+    answers = {"flood": [], "quiet-1": [], "quiet-2": []}
+    while addon.writer.session_backlog("flood") <= share:  # about three 100 KB records: then its calls are refused
+        answers["flood"].append(call_as(addon, "flood"))
+    for _ in range(3):
+        answers["flood"].append(call_as(addon, "flood"))
+        for quiet in ("quiet-1", "quiet-2"):
+            answers[quiet].append(call_as(addon, quiet, size=1_000))
+    assert addon.writer.backlog_bytes < 1 << 20  # under the bound for all: only the flooding session waits
+    status, message = answers["flood"][-1]
+    assert status == 503 and "over its share of 0.2 MiB: 1/4 of polar_backlog_mb=1" in message
+    assert [s for s, _ in answers["flood"]].count(503) == 3
+    assert all(s == 200 for quiet in ("quiet-1", "quiet-2") for s, _ in answers[quiet])
+    assert addon.refused_share == 3 and addon.refused == 0 and health_of(addon)["refused_share"] == 3
+    disk.go()  # the disk catches up: the flooding session is taken again
+    wait_for(lambda: addon.writer.backlog_bytes == 0)
+    assert addon.writer.session_backlog("flood") == 0 and call_as(addon, "flood")[0] == 200
+    addon.done()
+    recorded = [r["session_id"] for r in read_records(tmp_path / "captures")]
+    accepted = sum(s == 200 for s, _ in answers["flood"]) + 1
+    assert recorded.count("flood") == accepted and recorded.count("quiet-1") == recorded.count("quiet-2") == 3
+
+
+def test_a_sessions_part_of_the_backlog_is_gone_once_its_records_are_written_or_lost(tmp_path, monkeypatch):
+    w = writer.CaptureWriter(tmp_path / "c", rotate_bytes=1 << 20, fsync=False, decode_content=lambda d, e: d)
+    real = writer.to_record
+    monkeypatch.setattr(writer, "to_record", lambda ex, decode: real(ex, decode) if ex.session_id != "s2" else 1 / 0)
+    for i in range(6):
+        ex = Exchange(f"s{i % 3}", "api_key", "chat", "vllm", "POST", "/v1/chat/completions", 0.0, {})
+        ex.chunks, ex.chunk_times, ex.status = [b"y" * 1000], [0.0], 200
+        w.submit(ex)
+    wait_for(lambda: w.backlog_bytes == 0)
+    assert [w.session_backlog(f"s{i}") for i in range(3)] == [0, 0, 0] and w._by_session == {}  # no id is kept
+    assert len(w.close()) == 2 and w.records_written == 4  # s2's records could not be encoded: lost, and said so
 
 
 def test_a_write_torn_by_a_full_disk_is_cut_back_and_finished_when_space_returns(addon, tctx, tmp_path, monkeypatch):
@@ -467,6 +536,58 @@ def test_issue27_a_gzip_bomb_request_is_answered_413_and_never_forwarded(addon, 
     addon.done()
     (record,) = read_records(tmp_path / "captures")
     assert record["error"]["kind"] == "request" and record["status"] == 413 and record["request"] is None
+
+
+def with_body_size_limit(tctx):
+    """mitmproxy's own option, which a real mitmdump's proxy server declares and the test context does not."""
+    tctx.options.add_option("body_size_limit", str | None, None, "mitmproxy's body size limit")
+
+
+def test_polar_max_body_mb_sets_mitmproxys_body_size_limit(addon, tctx):
+    with_body_size_limit(tctx)
+    tctx.configure(addon, polar_max_body_mb=polar.MAX_BODY_MB)
+    assert tctx.options.body_size_limit == str(32 << 20) and addon.max_body == 32 << 20
+    tctx.configure(addon, polar_max_body_mb=2)  # changed while running: mitmproxy's follows
+    assert tctx.options.body_size_limit == str(2 << 20)
+    with pytest.raises(OptionsError, match="set that instead of '1g'"):
+        tctx.configure(addon, body_size_limit="1g")  # one bound, set in one place
+    with pytest.raises(OptionsError, match="polar_max_body_mb must be at least 1"):
+        tctx.configure(addon, polar_max_body_mb=0)
+
+
+def test_a_body_mitmproxy_refused_for_its_size_is_counted_and_never_recorded(addon, tctx, tmp_path, caplog):
+    flow = make_chat_flow(path="/s/sess-big/v1/chat/completions?key=sk-SECRET")
+    flow.error = Error(
+        "Request body exceeds mitmproxy's body_size_limit."
+    )  # check_body_size's, before our request hook
+    with caplog.at_level(logging.WARNING):
+        addon.error(flow)
+    assert addon.too_large == 1 and health_of(addon)["too_large"] == 1 and polar.METADATA_KEY not in flow.metadata
+    assert "refused POST /v1/chat/completions: its body is over polar_max_body_mb=32" in caplog.text
+    assert "SECRET" not in caplog.text and "sess-big" not in caplog.text
+    addon.done()
+    assert not (tmp_path / "captures").exists() or read_records(tmp_path / "captures") == []
+
+
+@pytest.mark.parametrize(
+    ("path", "shape"),
+    [("/v1/chat/completions", {"type": "invalid_request_error", "code": 413, "param": None}),
+     ("/s/sess/v1/messages?beta=true", {"type": "request_too_large"}),
+     ("/v1/responses", {"type": "invalid_request_error", "code": None, "param": None}),
+     ("/v1beta/models/m:streamGenerateContent?alt=sse", {"status": "INVALID_ARGUMENT", "code": 413}),
+     ("/v1/embeddings", {"type": "invalid_request_error", "code": 413, "param": None})],
+)  # fmt: skip
+def test_the_413_for_a_body_over_the_limit_is_in_the_shape_of_the_clients_api(addon, tctx, path, shape):
+    with_body_size_limit(tctx)
+    tctx.configure(addon, polar_max_body_mb=3)
+    response = proxy_errors.too_large(make_chat_flow(path=path).request)
+    answer = json.loads(response.content)
+    assert response.status_code == 413 and response.headers["connection"] == "close"
+    error = answer["error"]
+    assert {k: error[k] for k in shape} == shape and (answer.get("type") == "error") == ("messages" in path)
+    assert error["message"] == (
+        "polar: the request body is over this proxy's limit of 3 MiB (polar_max_body_mb); not forwarded or recorded"
+    )
 
 
 @pytest.mark.parametrize("fmt", [1, 2])

@@ -1,5 +1,6 @@
 """Faults against a real mitmdump (issue 16): an addon that did not load, a disk that fills under 8 clients
-and a shutdown while it is full, pathological JSON and secrets over the wire. Hook-level cases: test_faults.py.
+and a shutdown while it is full, pathological JSON and secrets over the wire, request bodies over
+``polar_max_body_mb``. Hook-level cases: test_faults.py.
 
 The full disk is the file-size limit (``RLIMIT_FSIZE``) of the running mitmdump, set with ``prlimit`` to
 the capture file's size: writes past it fail with EFBIG (a short write first) exactly as ENOSPC would, and
@@ -16,16 +17,21 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
+import psutil
 import pytest
 
 from addon.health import NONCE_HEADER
+from addon.session import read_secret, signed_key
 from eval import rollout
-from eval.procs import Mitmdump, ProxyNotRecording, Service, check_proxy, free_port
+from eval.procs import Mitmdump, ProxyNotRecording, Service, check_proxy, free_port, new_secret_file
 from eval.service import app as rollout_service
 from tests import http
 from tests.bench.reliability import read_records
+from tests.bench.upstream import _Handler as _BenchHandler
+from tests.bench.upstream import _Server as _BenchServer
 from tests.bench.upstream import make_server
 
 pytestmark = pytest.mark.slow
@@ -279,3 +285,142 @@ def test_deep_json_and_secrets_over_the_wire(upstream, tmp_path):
     assert sorted(r["session_source"] for r in got) == ["api_key", "key_hash", "key_hash", "key_hash"]
     for path in (tmp_path / "captures").rglob("*"):
         assert secret.encode() not in path.read_bytes(), path
+
+
+# ---- request bodies over polar_max_body_mb ---------------------------------------------------------------
+
+BIG_MB = 300  # sent from a generator of one 1 MiB block: the test never holds it
+RSS_BOUND = 1 << 30
+
+
+class _SessionsSeen(_BenchHandler):
+    """The benchmark's fake vLLM, keeping the session of each request that reaches it and its Content-Length."""
+
+    seen: ClassVar[list[tuple[str | None, str | None]]] = []
+
+    def do_POST(self):
+        self.seen.append((self.headers.get("x-polar-session"), self.headers.get("content-length")))
+        super().do_POST()
+
+
+@pytest.fixture
+def counting_upstream():
+    _SessionsSeen.seen = []
+    server = _BenchServer(("127.0.0.1", 0), _SessionsSeen)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", _SessionsSeen.seen
+    server.shutdown()
+    server.server_close()
+
+
+def blocks(n_mb):
+    block = b"x" * (1 << 20)
+    for _ in range(n_mb):
+        yield block
+
+
+class Peak:
+    """The largest resident set of process ``pid`` seen while open, polled from /proc every 20 ms."""
+
+    def __init__(self, pid):
+        self.process, self.rss, self.stop = psutil.Process(pid), 0, threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self):
+        while not self.stop.is_set():
+            self.rss = max(self.rss, self.process.memory_info().rss)
+            time.sleep(0.02)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+class Steady:
+    """One session calling the proxy every 0.3 s until stopped; every answer's status kept."""
+
+    def __init__(self, url, key):
+        self.url, self.key, self.statuses, self.stop = url, key, [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        with httpx.Client(timeout=http.TIMEOUT) as client:
+            while not self.stop.is_set():
+                body = {"model": "m", "messages": [{"role": "user", "content": f"call {len(self.statuses)}"}]}
+                try:
+                    status = client.post(
+                        f"{self.url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {self.key}"}
+                    ).status_code
+                except httpx.HTTPError as e:
+                    status = repr(e)
+                self.statuses.append(status)
+                self.stop.wait(0.3)
+
+    def __enter__(self):
+        self.thread.start()
+        wait_for(lambda: self.statuses, "the steady session's first answer")
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+def too_large_kind(path, answer):
+    """The refusal's type in its API's shape."""
+    if path.startswith("/v1/messages"):
+        assert answer["type"] == "error"
+        return answer["error"]["type"]
+    if ":generateContent" in path:
+        return answer["error"]["status"]
+    return answer["error"]["type"]
+
+
+def test_a_300_mb_body_is_refused_413_unread_unforwarded_unrecorded_while_another_session_records(
+    counting_upstream, tmp_path
+):
+    url, seen = counting_upstream
+    secret_file = new_secret_file(tmp_path / "secret")
+    secret = read_secret(secret_file)
+    captures = tmp_path / "captures"
+    big_calls = [  # (path, headers): each API's own key header; valid signed keys, so only the size refuses them
+        ("/v1/chat/completions", {"authorization": f"Bearer {signed_key('big-chat', secret)}"}),
+        ("/v1/messages", {"x-api-key": signed_key("big-anthropic", secret), "anthropic-version": "2023-06-01"}),
+        ("/v1/responses", {"authorization": f"Bearer {signed_key('big-responses', secret)}"}),
+        ("/v1beta/models/m:generateContent", {"x-goog-api-key": signed_key("big-google", secret)}),
+    ]
+    kinds = {}
+    with Mitmdump(url, captures, log=tmp_path / "mitmdump.log", secret_file=secret_file) as mitm:
+        assert mitm.health["options"]["polar_max_body_mb"] == 32 and mitm.health["too_large"] == 0
+        with Steady(mitm.url, signed_key("steady", secret)) as steady, Peak(mitm.proc.pid) as peak:
+            for path, headers in big_calls:
+                for framing in ("content-length", "chunked"):
+                    sized = {"content-length": str(BIG_MB << 20)} if framing == "content-length" else {}
+                    r = httpx.post(
+                        f"{mitm.url}{path}",
+                        content=blocks(BIG_MB),
+                        headers={**headers, **sized, "content-type": "application/json"},
+                        timeout=http.TIMEOUT,
+                    )
+                    assert r.status_code == 413, (path, framing, r.status_code, r.text[:300])
+                    assert "polar_max_body_mb" in r.text and r.headers["connection"] == "close"
+                    kinds[path, framing] = too_large_kind(path, r.json())
+            answered = len(steady.statuses)
+            wait_for(lambda: len(steady.statuses) >= answered + 2, "the steady session to go on after the refusals")
+        health = check_proxy(mitm.url)
+        assert health["too_large"] == 2 * len(big_calls) and health["refused"] == health["refused_keys"] == 0
+        wait_for(lambda: check_proxy(mitm.url)["records_written"] == len(steady.statuses), "the steady records")
+    assert set(steady.statuses) == {200}, steady.statuses
+    assert peak.rss < RSS_BOUND, f"mitmdump's RSS reached {peak.rss >> 20} MiB"
+    assert set(kinds.values()) == {"invalid_request_error", "request_too_large", "INVALID_ARGUMENT"}
+    assert kinds["/v1/messages", "chunked"] == "request_too_large"
+    # Nothing of the large bodies went upstream or to disk; every steady call did both.
+    assert seen == [("steady", seen[0][1])] * len(seen) and len(seen) == len(steady.statuses)
+    found = read_records(captures)
+    assert [r["session_id"] for r in found.records] == ["steady"] * len(steady.statuses) and found.torn == 0
+    log = (tmp_path / "mitmdump.log").read_text()
+    assert log.count("its body is over polar_max_body_mb=32") == 2 * len(big_calls)

@@ -147,6 +147,7 @@ class Proxy:
         self.log = tmp / "mitmdump.log"
         self.upstream, up_port = start_upstream(LIMIT_S)
         extra = [] if bare else ["-s", str(ROOT / "addon" / "polar.py"), "--set", f"polar_dir={self.captures}"]
+        extra += [] if bare else ["--set", "polar_max_body_mb=1024"]  # the memory part's bodies (--body-mb) pass 32 MiB
         try:
             self.proc, self.port, pid = start_mitmdump(up_port, self.log, tmp / "conf", LIMIT_S, extra)
         except Exception:

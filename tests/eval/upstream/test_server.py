@@ -2,7 +2,9 @@
 fields, streamed and not."""
 
 import json
+import socket
 import threading
+from urllib.parse import urlsplit
 
 import openai
 import pytest
@@ -10,6 +12,7 @@ import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from eval.upstream.server import Args
 from eval.upstream.toolparse import Content, OutputParser, Reasoning
 from tests import http
 
@@ -295,6 +298,62 @@ def test_chunked_request_body_and_dropped_stream(sampler):
     long = {"messages": USER, "max_tokens": 200, "stream": True}
     with http.stream("POST", sampler + "/v1/chat/completions", json=long) as r:
         next(r.iter_lines())  # hang up after the first event; the server stops generating and keeps serving
+    assert http.post(sampler + "/v1/chat/completions", json={"messages": USER, "max_tokens": 1}).status_code == 200
+
+
+MAX_BODY = Args.max_body_mb << 20  # --max-body-mb's default, which the fixtures' servers run with
+
+
+def raw_post(url: str, head: bytes) -> tuple[int, dict]:
+    """Send ``head`` (a request line and headers, maybe a start of body) on a socket of its own; read the answer
+    until the server closes. A server that waited for the rest of a body would time this out."""
+    parts = urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=60) as sock:
+        sock.sendall(head)
+        answer = b""
+        while chunk := sock.recv(1 << 16):
+            answer += chunk
+    status_line, _, rest = answer.partition(b"\r\n")
+    headers, _, body = rest.partition(b"\r\n\r\n")
+    assert b"connection: close" in headers.lower()
+    return int(status_line.split()[1]), json.loads(body)
+
+
+def blocks(n_mb: int):
+    block = b"x" * (1 << 20)
+    for _ in range(n_mb):
+        yield block
+
+
+def test_a_body_over_max_body_mb_is_refused_413_before_it_is_read(sampler):
+    # Only the head is sent: the answer comes without the server waiting for the body.
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {MAX_BODY + 1}\r\n\r\n".encode()
+    status, answer = raw_post(sampler, head)
+    assert status == 413 and answer["error"]["type"] == "invalid_request_error"
+    assert f"over this server's limit of {MAX_BODY >> 20} MiB (--max-body-mb)" in answer["error"]["message"]
+    for framing in ("content-length", "chunked"):  # 8 times the bound, sent whole by a client that does not wait
+        headers = {"content-length": str(8 * MAX_BODY)} if framing == "content-length" else {}
+        r = http.post(sampler + "/v1/chat/completions", content=blocks(8 * MAX_BODY >> 20), headers=headers)
+        assert r.status_code == 413 and "--max-body-mb" in r.json()["error"]["message"], (framing, r.text)
+    body = json.dumps({"messages": USER, "max_tokens": 1, "pad": "x" * (MAX_BODY - 1000)}).encode()
+    assert len(body) <= MAX_BODY and http.post(sampler + "/v1/chat/completions", content=body).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("headers", "start", "status", "says"),
+    [("", b"", 411, "needs a Content-Length header or a chunked body"),
+     ("Content-Length: 12abc\r\n", b"", 400, "invalid Content-Length: '12abc'"),
+     ("Content-Length: -5\r\n", b"", 400, "invalid Content-Length"),
+     ("Content-Length: 5\r\nContent-Length: 6\r\n", b"", 400, "invalid Content-Length: '5, 6'"),
+     ("Transfer-Encoding: chunked\r\n", b"zz\r\n", 400, "invalid chunk size line"),
+     ("Transfer-Encoding: chunked\r\n", b"0x5\r\nhello\r\n", 400, "invalid chunk size line"),
+     ("Transfer-Encoding: chunked\r\n", b"3\r\nhello\r\n", 400, "not followed by CRLF"),
+     ("Transfer-Encoding: gzip\r\n", b"", 400, "unsupported Transfer-Encoding 'gzip'")],
+)  # fmt: skip
+def test_a_body_of_no_or_bad_length_is_refused_clearly(sampler, headers, start, status, says):
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n{headers}\r\n".encode() + start
+    got, answer = raw_post(sampler, head)
+    assert got == status and says in answer["error"]["message"] and answer["error"]["type"] == "invalid_request_error"
     assert http.post(sampler + "/v1/chat/completions", json={"messages": USER, "max_tokens": 1}).status_code == 200
 
 
