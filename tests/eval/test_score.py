@@ -127,6 +127,8 @@ def test_run_dir_sessions_are_graded(toy, tmp_path):
                     "patch_s": 0.1,
                     "patch": patch,
                     "error": None if status == "ok" else "x",
+                    "stdout_bytes": 10,
+                    "stderr_bytes": 0,
                 }
                 for i, (sid, status, patch) in enumerate(sessions)
             ]
