@@ -21,7 +21,9 @@ from typing import Any
 
 from eval.errors import EvalError
 
-__all__ = ["ContainerError", "daemon_address", "docker", "image_config", "image_exists", "require_daemon"]
+__all__ = [
+    "ContainerError", "daemon_address", "docker", "docker_cli", "image_config", "image_exists", "require_daemon",
+]  # fmt: skip
 
 START_DAEMON = "start one with `.ci/dockerd start` and export the DOCKER_HOST it prints"
 
@@ -34,15 +36,20 @@ def daemon_address() -> str:
     return os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
 
 
+def docker_cli() -> str:
+    """The docker CLI's path, for commands that stream (``build``, ``cp``); ContainerError when it is missing."""
+    cli = shutil.which("docker")
+    if cli is None:
+        raise ContainerError(f"the docker CLI is not on PATH; install docker.io (apt) and {START_DAEMON}")
+    return cli
+
+
 def docker(
     *args: str, input: bytes | None = None, timeout: float | None = None, check: bool = True
 ) -> subprocess.CompletedProcess[bytes]:
     """``docker ARGS`` with its output captured; ContainerError with the command and its stderr when it fails."""
-    cli = shutil.which("docker")
-    if cli is None:
-        raise ContainerError(f"the docker CLI is not on PATH; install docker.io (apt) and {START_DAEMON}")
     try:
-        done = subprocess.run([cli, *args], input=input, capture_output=True, timeout=timeout, check=False)
+        done = subprocess.run([docker_cli(), *args], input=input, capture_output=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired as e:
         raise ContainerError(f"docker {' '.join(args[:3])} ...: no answer within {timeout:g} s") from e
     if check and done.returncode != 0:

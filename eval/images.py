@@ -67,7 +67,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 from eval import taskgen
-from eval.containers import ContainerError, daemon_address, docker, image_exists, require_daemon
+from eval.containers import ContainerError, daemon_address, docker, docker_cli, image_exists, require_daemon
 from eval.errors import EvalError
 from eval.tasks import OURS, checkout, load_tasks
 
@@ -325,18 +325,11 @@ def _streamed(argv: Sequence[str], on_line: Callable[[str], None], stdin: Any = 
     return proc.returncode, list(tail)
 
 
-def _docker_cli() -> str:
-    cli = shutil.which("docker")
-    if cli is None:
-        raise ContainerError("the docker CLI is not on PATH; install docker.io (apt)")
-    return cli
-
-
 def _docker_build(
     layer: Layer, context: Path, on_line: Callable[[str], None] = lambda _: None, *, no_cache: bool = False
 ) -> None:
     (context / "Dockerfile").write_text(layer.dockerfile)
-    argv = [_docker_cli(), "build", "--network", "host", "--force-rm", *_proxy_args(), "-t", layer.tag]
+    argv = [docker_cli(), "build", "--network", "host", "--force-rm", *_proxy_args(), "-t", layer.tag]
     argv += ["--no-cache", str(context)] if no_cache else [str(context)]
     code, tail = _streamed(argv, on_line)
     if code != 0:
@@ -381,7 +374,7 @@ def build_debian_base(layer: Layer, mirror: str | None, on_line: Callable[[str],
         changes = [f"LABEL {k}={json.dumps(v)}" for k, v in layer.labels().items()] + ['CMD ["/bin/bash"]']
         tar = subprocess.Popen(["tar", "--numeric-owner", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
         importer = subprocess.Popen(
-            [_docker_cli(), "import", *(arg for c in changes for arg in ("--change", c)), "-", layer.tag],
+            [docker_cli(), "import", *(arg for c in changes for arg in ("--change", c)), "-", layer.tag],
             stdin=tar.stdout,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -151,7 +151,7 @@ class OutputTail:
         """What was kept, once the stream ends (or ``wait`` seconds on: a background child that escaped its
         session may hold the pipe open), with a first line saying how much was left out."""
         self._thread.join(wait)
-        tail = bytes(self._tail[-self.keep :]) if self.keep else b""
+        tail = bytes(self._tail[-self.keep :])
         text = tail.decode(errors="replace")
         if self.size > len(tail):
             text = f"[polar: {self.size} bytes of output, the last {len(tail)} kept]\n{text}"

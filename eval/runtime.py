@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import hashlib
 import io
+import re
 import shutil
 import subprocess
 import sys
@@ -44,7 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 from urllib.parse import urlsplit
 
-from eval.containers import ContainerError, daemon_address, docker, image_config, require_daemon
+from eval.containers import ContainerError, daemon_address, docker, docker_cli, image_config, require_daemon
 from eval.errors import EvalError
 from eval.harness.presets import PRESETS, HarnessRun, run_process
 from eval.procs import OutputTail
@@ -94,17 +95,13 @@ class PatchTooLarge(Exception):
 
 def parse_size(text: str, field: str) -> int:
     """Bytes in ``"512"``, ``"64k"``, ``"16m"``, ``"10g"`` (powers of 1024, as docker's --memory)."""
-    units = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    number, unit = text.strip().lower().rstrip("b") or "0", ""
-    if number[-1:] in units:
-        number, unit = number[:-1], number[-1]
-    try:
-        size = float(number) * units[unit]
-    except ValueError:
-        raise EvalError(f"{field}: expected a size such as 512k, 16m or 10g, got {text!r}") from None
+    match = re.fullmatch(r"(\d+(?:\.\d*)?)([kmgt]?)b?", text.strip().lower())
+    if match is None:
+        raise EvalError(f"{field}: expected a size such as 512k, 16m or 10g, got {text!r}")
+    size = int(float(match[1]) * 1024 ** " kmgt".index(match[2] or " "))
     if size <= 0:
         raise EvalError(f"{field}: expected a positive size, got {text!r}")
-    return int(size)
+    return size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,8 +320,7 @@ class DockerSandbox:
         add = docker(*git, "add", "-A", "--", ".", *EXCLUDES, check=False)
         if add.returncode:
             raise PatchError(add.stderr.decode(errors="replace"))
-        cli = shutil.which("docker") or "docker"
-        return read_patch([cli, *git, "diff", "--cached", "--binary", base_commit, "--", ".", *EXCLUDES],
+        return read_patch([docker_cli(), *git, "diff", "--cached", "--binary", base_commit, "--", ".", *EXCLUDES],
                           self.limits.size("patch"))  # fmt: skip
 
     def keep(self, dest: Path) -> None:
@@ -336,8 +332,7 @@ class DockerSandbox:
         for source, target in ((self.workspace, dest / "repo"), (self.home, dest / "home")):
             shutil.rmtree(target, ignore_errors=True)  # HOME as prepare() left it: the container's copy replaces it
             target.mkdir(parents=True)
-            cli = shutil.which("docker") or "docker"
-            proc = subprocess.Popen([cli, "cp", f"{self.name}:{source}", "-"], stdout=subprocess.PIPE,
+            proc = subprocess.Popen([docker_cli(), "cp", f"{self.name}:{source}", "-"], stdout=subprocess.PIPE,
                                     stderr=subprocess.DEVNULL)  # fmt: skip
             assert proc.stdout is not None
             with proc.stdout, tarfile.open(fileobj=proc.stdout, mode="r|") as archive:
