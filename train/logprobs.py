@@ -6,7 +6,8 @@ time, so memory grows with tokens (N x H hidden states), not with tokens x vocab
 
 - ``fused_token_loss`` (training, frozen output layer: the LoRA case). The loss is a sum of per-token terms, so
   each chunk's gradient with respect to its hidden states is computed right away in the forward, from logits
-  that are then dropped; the backward only scales the stored (N, H) gradient. Same two matmuls as the naive way.
+  turned into their own gradient in place and then dropped; the backward only scales the stored (N, H) gradient.
+  Same two matmuls as the naive way, one (chunk, V) block at a time.
 - ``token_logprobs`` (no-grad passes, and a trainable output layer). Under autograd each chunk is wrapped in
   activation checkpointing: the backward rebuilds one (chunk, V) block at a time, at the price of one more matmul.
 
@@ -73,12 +74,34 @@ def token_logprobs(
     return torch.cat(logps), torch.cat(entropies)  # (N,), (N,) or (0,)
 
 
+_ROWS = 64  # rows of a (c, V) block whose temporaries (the log-sum-exp's, the entropy's) exist at once
+
+
+def _softmax_in_place(z: torch.Tensor, targets: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits z (c, V) -> their softmax, in place, ``_ROWS`` rows at a time; returns the targets' log-probs (c,) and
+    the entropies (c,), or (0,) without ``with_entropy``. The row views die here, so no caller keeps z by them."""
+    logp = torch.empty(len(targets), dtype=z.dtype, device=z.device)
+    entropy = torch.empty_like(logp) if with_entropy else logp.new_zeros(0)
+    for a in range(0, len(targets), _ROWS):
+        rows = z[a : a + _ROWS]  # (r, V) view
+        lse = torch.logsumexp(rows, dim=-1)  # (r,)
+        logp[a : a + len(rows)] = rows.gather(-1, targets[a : a + len(rows), None]).squeeze(-1) - lse
+        log_p = rows.sub_(lse[:, None])
+        p = log_p.exp()
+        if with_entropy:
+            entropy[a : a + len(rows)] = -torch.einsum("rv,rv->r", p, log_p)  # -sum_v p_v log p_v
+        rows.copy_(p)
+    return logp, entropy
+
+
 class _FusedTokenLoss(torch.autograd.Function):
     """``sum_t token_loss(logp)_t`` whose gradient with respect to ``hidden`` is built chunk by chunk in the forward.
 
     Per chunk: logits z (c, V); lse; logp = z[t] - lse; g = d loss / d logp (autograd on (c,) values); the
-    softmax p, computed once, gives both the entropy and d loss / d z = g * (onehot(t) - p); autograd takes that
-    back through the output layer to the chunk's hidden states. Then the (c, V) blocks are dropped.
+    softmax p, which gives both the entropy and d loss / d z = g * (onehot(t) - p); autograd takes that back
+    through the output layer to the chunk's hidden states. z becomes p, then d loss / d z, in place (the output
+    layer's backward needs its input, not its output): one (c, V) block a chunk, where there were three (the
+    logits, z - lse and p). Then the block is dropped.
     """
 
     @staticmethod
@@ -102,24 +125,22 @@ class _FusedTokenLoss(torch.autograd.Function):
                 logits = head(h).float()  # (c, V)
                 if temperature != 1.0:
                     logits = logits / temperature
-            z = logits.detach()
-            lse = torch.logsumexp(z, dim=-1)  # (c,)
-            lp = (z.gather(-1, t[:, None]).squeeze(-1) - lse).requires_grad_()  # (c,)
+            z = logits.detach()  # the same storage: overwritten below
+            lp, entropy = _softmax_in_place(z, t, with_entropy)  # z: the logits -> their softmax
+            lp.requires_grad_()
             with torch.enable_grad():
                 loss = token_loss(lp, sl).sum()
                 (g,) = torch.autograd.grad(loss, lp, allow_unused=True)  # (c,) d loss / d logp
             g = torch.zeros_like(lp) if g is None else g
-            p = torch.exp(z - lse[:, None])  # (c, V) softmax
-            if with_entropy:
-                entropies.append(lse - torch.einsum("cv,cv->c", p, z))  # (c,) entropy = lse - sum_v p_v z_v
-            grad_z = p.mul_(-g[:, None]).scatter_add_(-1, t[:, None], g[:, None])  # (c, V) g * (onehot - p)
+            grad_z = z.mul_(-g[:, None]).scatter_add_(-1, t[:, None], g[:, None])  # (c, V) g * (onehot - p)
             (grad_hidden[sl],) = torch.autograd.grad(logits, h, grad_z)
             total += loss.detach()
             logps.append(lp.detach())
-            del logits, z, p, grad_z, h  # else this chunk's (c, V) blocks live on while the next one's are built
+            entropies.append(entropy)
+            del logits, z, grad_z, h  # else this chunk's (c, V) block lives on while the next one's is built
         ctx.save_for_backward(grad_hidden)
         logp = torch.cat(logps)  # (N,)
-        entropy = torch.cat(entropies) if with_entropy else logp.new_zeros(0)  # (N,) or (0,)
+        entropy = torch.cat(entropies)  # (N,) or (0,)
         ctx.mark_non_differentiable(logp, entropy)
         return total, logp, entropy
 
