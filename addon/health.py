@@ -3,7 +3,7 @@
 A proxy whose addon did not load forwards the health request upstream, and an upstream may answer that path
 itself, even with ``{"loaded": true}``. So the client sends a fresh random nonce in :data:`NONCE_HEADER` and the
 addon answers with :func:`proof` of it: an upstream that answers the path with a fixed body, or echoes the
-request, does not (issue 27). ``eval.procs.check_proxy`` is the client. Standard library only.
+request, does not (issue 27). ``eval.sessions.procs.check_proxy`` is the client. Standard library only.
 """
 
 from __future__ import annotations

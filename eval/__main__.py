@@ -15,16 +15,16 @@ import tyro
 
 from eval.errors import EvalError
 from eval.harness.install import NpmMissing
-from eval.procs import ProxyNotRecording
+from eval.sessions.procs import ProxyNotRecording
 
 VERBS = {
     # the pipeline
-    "rollout": ("eval.rollout", "run harnesses on tasks x samples through the proxy; write sessions.parquet"),
+    "rollout": ("eval.sessions.rollout", "run harnesses on tasks x samples through the proxy; write sessions.parquet"),
     "score": ("eval.score", "grade a run's patches (or a predictions file) with swebench; write rewards.parquet"),
     "join": ("eval.join", "fill task ids, samples and rewards into a trajectories Parquet"),
     "report": ("eval.report", "pass@1 / pass@k per task and harness, with a plot"),
-    "tasks": ("eval.taskgen_cli", "the generated task family: list, validate with swebench, export as JSONL"),
-    "images": ("eval.images", "the Docker images tasks run in: build (no registry needed), list, prune"),
+    "tasks": ("eval.tasks.cli", "the generated task family: list, validate with swebench, export as JSONL"),
+    "images": ("eval.sessions.images", "the Docker images tasks run in: build (no registry needed), list, prune"),
     # the harnesses
     "harness": ("eval.harness.presets", "install the pinned harness CLIs; run one harness through the proxy"),
     "transparent": ("eval.harness.transparent", "run a harness on its provider's own URL through a regular proxy"),

@@ -11,7 +11,7 @@ script's output, which is what swebench grades) and ``report.json`` (swebench's 
 swebench's JSONL (``instance_id, model_name_or_path, model_patch``), ``--gold`` the tasks' own patches; both
 write a run folder to ``--out`` with session ids ``<model_name_or_path>/<instance_id>``.
 
-The local runner (default) needs no Docker: a fresh ``eval.tasks.checkout`` in a temporary folder, the patch
+The local runner (default) needs no Docker: a fresh ``eval.tasks.load.checkout`` in a temporary folder, the patch
 applied with ``git apply`` or else ``patch --fuzz``, then ``bash eval.sh`` in its own process group, killed at
 the timeout, with a scrubbed environment (no keys, HOME a temporary folder), the grader's virtualenv first on
 PATH and ``PYTHON`` set to its interpreter, which the eval script runs pytest with. Grading is swebench's own
@@ -54,10 +54,10 @@ from swebench.types import TestSpec
 from tqdm import tqdm
 
 from eval.errors import EvalError
-from eval.instances import GIT_ENV
-from eval.procs import stop_tree
 from eval.runs import LOGS, REWARDS_SCHEMA, TASKS, read_sessions, write_rewards
-from eval.tasks import TaskError, checkout, load_tasks, save_tasks, validate
+from eval.sessions.procs import stop_tree
+from eval.tasks.instances import GIT_ENV
+from eval.tasks.load import TaskError, checkout, load_tasks, save_tasks, validate
 
 if TYPE_CHECKING:
     from docker import DockerClient

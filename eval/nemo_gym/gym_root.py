@@ -10,8 +10,8 @@ these machines cannot reach. So this module, run as root:
 
 1. ``debootstrap --variant=minbase --include=python3.13,python3.13-venv,ca-certificates forky ROOT MIRROR
    /usr/share/debootstrap/scripts/sid`` (bookworm's debootstrap has no forky script; sid's is the same; MIRROR:
-   the Debian mirror apt uses here, eval.images.debian_mirror), apt's caches dropped: about 80 s, 280 MB;
-2. the host's resolv.conf, its pip index settings (eval.images.build_pip_config: no local paths) and its CA
+   the Debian mirror apt uses here, eval.sessions.images.debian_mirror), apt's caches dropped: about 80 s, 280 MB;
+2. the host's resolv.conf, its pip index settings (eval.sessions.images.build_pip_config: no local paths) and its CA
    certificates (``/usr/local/share/ca-certificates``, then ``update-ca-certificates``: outbound HTTPS goes through
    a local CA here, and pip and uv fail with CERTIFICATE_VERIFY_FAILED without it);
 3. ``python3.13 -m venv /opt/gymvenv``, pip installs uv (``gym env start`` makes each server's venv with it), uv
@@ -42,8 +42,8 @@ from pathlib import Path
 import tyro
 
 from eval.errors import EvalError
-from eval.images import CA_DIR, build_pip_config, debian_mirror
-from eval.procs import ROOT as REPO
+from eval.sessions.images import CA_DIR, build_pip_config, debian_mirror
+from eval.sessions.procs import ROOT as REPO
 
 __all__ = ["GYM_BIN", "GYM_ROOT", "NEMO_GYM", "RECIPE", "Args", "build", "main", "wrapper"]
 

@@ -31,11 +31,11 @@ from typing import Any
 import tyro
 
 from eval.errors import EvalError
-from eval.procs import Mitmdump, ReferenceServer, free_port
-from eval.rollout import instruction
 from eval.service.app import Args as ServiceArgs
 from eval.service.app import serve
-from eval.tasks import load_tasks
+from eval.sessions.procs import Mitmdump, ReferenceServer, free_port
+from eval.sessions.rollout import instruction
+from eval.tasks.load import load_tasks
 from eval.upstream.models import build_tiny
 from reconstruct.files import write_atomic
 

@@ -9,13 +9,13 @@ the proxy's ``GET /polar/health``: the service refuses a proxy that would not re
 runs the batch phases as subprocesses, each in its own process group, one after the other, in its own folder
 ``ROOT/<job_id>/``: ``python -m eval rollout`` (run/), ``python -m eval score run/``, then the job's sessions' records
 copied out of the captures (captures.jsonl), ``python -m reconstruct`` on them (trajectories.parquet) and ``python -m
-eval join`` (rewards on the traces). A crashed or hung harness is a session status (eval/rollout.py); a failed grade
-or reconstruction is kept in the job's ``phase_errors`` and its sessions score reward 0 with that reason, and the
+eval join`` (rewards on the traces). A crashed or hung harness is a session status (eval/sessions/rollout.py); a failed
+grade or reconstruction is kept in the job's ``phase_errors`` and its sessions score reward 0 with that reason, and the
 service goes on. ``job.json`` (written atomically) holds the parameters and the status, so a restart lists every
 finished job; jobs still queued are queued again, jobs caught running are marked failed.
 
 Where sessions run is the job's ``runtime`` (default: the service's ``--runtime``), passed on as ``python -m eval
-rollout --runtime`` (eval/runtime.py): ``local`` runs the harness and the model's commands on this machine
+rollout --runtime`` (eval/sessions/runtime.py): ``local`` runs the harness and the model's commands on this machine
 (unsafe for untrusted models); ``docker`` runs each session in its task's own image with no network but its proxy,
 and grades it in a fresh container (``python -m eval score --runner docker``).
 
@@ -26,7 +26,7 @@ Routes (JSON; with ``--token-file`` every route but /health needs ``Authorizatio
          {"instance": {SWE-bench 5.x instance} | "instance_id": ID [, "tasks": "toy" | FILE],
           "harness": a preset name (eval/harness/presets.py), "samples": 1, "timeout": 1800 (s per
           session), "model": "tiny", "max_tokens": null, "command": null (shell only), "metadata": {},
-          "runtime": the service's --runtime | "local" | "docker" (eval/runtime.py RUNTIMES)}
+          "runtime": the service's --runtime | "local" | "docker" (eval/sessions/runtime.py RUNTIMES)}
     GET  /v1/jobs                      {jobs: [job.json, ...]}
     GET  /v1/jobs/<id>                 job.json: {job_id, status: queued|running|done|failed|cancelled, phase,
                                        params, submitted_at, started_at, finished_at, error, phase_errors}
@@ -57,12 +57,12 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from addon.session import read_secret
-from eval.containers import ContainerError, require_daemon
 from eval.harness.presets import PRESETS
-from eval.procs import ProxyNotRecording, check_proxy, stop_tree
-from eval.runtime import RUNTIMES, RuntimeName
 from eval.service.results import copy_session_records, session_results
-from eval.tasks import TaskError, load_tasks, save_tasks, validate
+from eval.sessions.containers import ContainerError, require_daemon
+from eval.sessions.procs import ProxyNotRecording, check_proxy, stop_tree
+from eval.sessions.runtime import RUNTIMES, RuntimeName
+from eval.tasks.load import TaskError, load_tasks, save_tasks, validate
 from reconstruct.files import write_atomic
 
 __all__ = ["Args", "JobError", "Service", "main"]
@@ -103,7 +103,7 @@ class Args:
     """Sessions of one job run at a time (python -m eval rollout --concurrency)."""
     grade_timeout: float = 900.0
     """Seconds one eval script may run (python -m eval score --timeout)."""
-    # ---- where sessions run (eval/runtime.py)
+    # ---- where sessions run (eval/sessions/runtime.py)
     runtime: RuntimeName = "local"
     """A job's runtime unless it names one: local runs the harness and the model's commands on this machine,
     UNSAFE for untrusted models; docker runs each session in its task's image (python -m eval images build) with

@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from eval.procs import Service, free_port
+from eval.sessions.procs import Service, free_port
 
 SERVED_NAME = "smollm2"
 # vLLM's context: small, so a harness's oversize max_tokens meets the context-length refusal (addon/clamp.py).

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from eval.procs import Mitmdump
+from eval.sessions.procs import Mitmdump
 from tests.captures import read_records
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from addon import clamp
-from eval.procs import Mitmdump, ReferenceServer
+from eval.sessions.procs import Mitmdump, ReferenceServer
 from tests.captures import read_records
 
 pytestmark = pytest.mark.slow

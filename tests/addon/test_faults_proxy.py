@@ -25,9 +25,9 @@ import pytest
 
 from addon.health import NONCE_HEADER
 from addon.session import read_secret, signed_key
-from eval import rollout
-from eval.procs import Mitmdump, ProxyNotRecording, Service, check_proxy, free_port, new_secret_file
 from eval.service import app as rollout_service
+from eval.sessions import rollout
+from eval.sessions.procs import Mitmdump, ProxyNotRecording, Service, check_proxy, free_port, new_secret_file
 from tests import http
 from tests.bench.reliability import read_records
 from tests.bench.upstream import _Handler as _BenchHandler

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from addon import anthropic, google, native, responses, translating
-from eval.procs import Mitmdump, free_port
+from eval.sessions.procs import Mitmdump, free_port
 
 OPTIONS = native.Options(model="", upstream="vllm")
 SCHEMA = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}

@@ -8,7 +8,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from eval.procs import Mitmdump, ReferenceServer, free_port
+from eval.sessions.procs import Mitmdump, ReferenceServer, free_port
 from tests import http
 from tests.bench.upstream import make_server
 from tests.captures import read_records, sse_events, tokens_of

@@ -233,7 +233,7 @@ def test_regular_mode_without_hosts_warns(addons, tctx, caplog):
 
 def test_issue34_with_signed_keys_the_proxy_user_is_a_signed_key_checked_like_any_other(addons, tctx, tmp_path):
     from addon.session import read_secret, signed_key
-    from eval.procs import new_secret_file
+    from eval.sessions.procs import new_secret_file
 
     secret_file = new_secret_file(tmp_path / "secret")
     key = signed_key("run-7", read_secret(secret_file))

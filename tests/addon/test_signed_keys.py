@@ -11,7 +11,7 @@ from mitmproxy.test import tflow, tutils
 
 from addon import session
 from addon.session import signed_key
-from eval.procs import new_secret_file
+from eval.sessions.procs import new_secret_file
 from tests.captures import v1_bytes, v1_lines
 
 CHAT = "/v1/chat/completions"

@@ -11,7 +11,7 @@ from typing import ClassVar
 import pytest
 
 from addon.session import read_secret, signed_key
-from eval.procs import Mitmdump, ProxyNotRecording, check_proxy, new_secret_file
+from eval.sessions.procs import Mitmdump, ProxyNotRecording, check_proxy, new_secret_file
 from tests import http
 from tests.bench.upstream import _Handler, _Server
 from tests.captures import v1_lines

@@ -32,7 +32,7 @@ import torch
 import tyro
 from rich.console import Console
 
-from eval.procs import Mitmdump, ReferenceServer
+from eval.sessions.procs import Mitmdump, ReferenceServer
 from reconstruct import schema
 from reconstruct._audit import audit
 from tests.bench import report

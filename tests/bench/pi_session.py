@@ -44,9 +44,9 @@ from rich.console import Console
 
 from eval.harness.install import install
 from eval.harness.presets import base_env
-from eval.procs import Mitmdump, ReferenceServer, new_secret_file
 from eval.runs import read_sessions
-from eval.tasks import load_tasks
+from eval.sessions.procs import Mitmdump, ReferenceServer, new_secret_file
+from eval.tasks.load import load_tasks
 from tests.bench.procs import cpu_seconds
 from tests.bench.report import percentile, write_results
 from tests.captures import read_records, sse_events
@@ -67,7 +67,7 @@ class Config:
     concurrency: tuple[int, ...] = (1, 16)
     """Sessions at a time, one rollout each (16: the demo's)."""
     runtime: str = "local"
-    """Where sessions run (eval/runtime.py): docker needs DOCKER_HOST and the family's images."""
+    """Where sessions run (eval/sessions/runtime.py): docker needs DOCKER_HOST and the family's images."""
     max_tokens: int = 96
     """Output tokens per call, the demo's cap for its measured stages."""
     timeout: float = 300.0

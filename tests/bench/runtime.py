@@ -4,9 +4,9 @@ Run:  make bench-docker     (needs DOCKER_HOST: `.ci/dockerd start`; builds the 
   or  .venv/bin/python -m tests.bench.runtime [--sessions 10] [--out tests/bench/results/runtime.md]
 
 For each of ``--sessions`` sessions on generated tasks, with no model in the loop, the phases a rollout session
-goes through in each runtime (eval/runtime.py), timed one after another on an idle machine:
+goes through in each runtime (eval/sessions/runtime.py), timed one after another on an idle machine:
 
-- **start**: local: the fresh checkout (eval.tasks.checkout); docker: ``docker run`` of the task's image with its
+- **start**: local: the fresh checkout (eval.tasks.load.checkout); docker: ``docker run`` of the task's image with its
   limits and binds, until the relay inside answers (the host-side relay included);
 - **exec**: a command that does nothing (``true``), as the harness is started: a subprocess, or ``docker exec``;
 - **patch**: ``git add -A`` and ``git diff --cached`` against the base commit, after a one-line edit;
@@ -30,9 +30,9 @@ import tyro
 from rich.console import Console
 
 from eval.harness.presets import base_env
-from eval.images import build_images
-from eval.runtime import RUNTIMES, Limits
-from eval.tasks import load_tasks
+from eval.sessions.images import build_images
+from eval.sessions.runtime import RUNTIMES, Limits
+from eval.tasks.load import load_tasks
 from tests.bench.report import percentile, write_results
 
 console = Console(stderr=True)
@@ -103,7 +103,7 @@ def main(config: Config) -> int:
             cells += [f"{1000 * med[runtime]:.0f}", f"{1000 * (percentile(xs, 90) or 0):.0f}"]
         rows.append([*cells, f"{med['docker'] / med['local']:.1f}"])
     head = ["phase", "local median ms", "local p90 ms", "docker median ms", "docker p90 ms", "docker / local"]
-    setting = "docker: --network none, the relay, default limits (eval/runtime.py)"
+    setting = "docker: --network none, the relay, default limits (eval/sessions/runtime.py)"
     notes = [
         f"{config.sessions} sessions per runtime on {len(tasks)} tasks of {config.tasks}, one after another; {setting}"
     ]

@@ -46,7 +46,7 @@ import torch
 import tyro
 from rich.console import Console
 
-from eval.procs import ReferenceServer
+from eval.sessions.procs import ReferenceServer
 from tests.bench import report
 from tests.bench.procs import cpu_seconds
 from train.precision import cpu_name

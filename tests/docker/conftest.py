@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from eval.containers import require_daemon
-from eval.images import Built, build_images
-from eval.tasks import load_tasks
+from eval.sessions.containers import require_daemon
+from eval.sessions.images import Built, build_images
+from eval.tasks.load import load_tasks
 
 if os.environ.get("POLAR_TEST_DOCKER") != "1":
     collect_ignore_glob = ["test_*.py"]

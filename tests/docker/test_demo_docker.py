@@ -19,9 +19,9 @@ from typing import Any
 
 import polars as pl
 
-from eval.containers import docker
-from eval.procs import Service, free_port, new_secret_file
 from eval.runs import read_rewards, read_sessions
+from eval.sessions.containers import docker
+from eval.sessions.procs import Service, free_port, new_secret_file
 from tests.captures import scripted_proxy
 from tests.eval.demo.test_demo import HELDOUT_SAMPLES, OTHER_HELDOUT_SAMPLES, SAMPLES, STAGES, demo_command
 

@@ -30,13 +30,13 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from eval import rollout
-from eval.containers import docker
 from eval.harness.install import install
 from eval.harness.presets import MINI, PRESETS
-from eval.procs import Mitmdump, ReferenceServer, check_proxy, new_secret_file
 from eval.runs import read_sessions
-from eval.runtime import RUN_LABEL, SESSION_LABEL
+from eval.sessions import rollout
+from eval.sessions.containers import docker
+from eval.sessions.procs import Mitmdump, ReferenceServer, check_proxy, new_secret_file
+from eval.sessions.runtime import RUN_LABEL, SESSION_LABEL
 from tests.captures import v1_lines
 from tests.docker.conftest import FAMILY_SPEC, FamilyImages
 from tests.eval.harness.test_harnesses import CASES, COMMAND, FINAL, Case, script, token_ids

@@ -1,6 +1,6 @@
-"""eval/images.py against a real daemon: built from scratch once per run, a rebuild does nothing, swebench grades
-the images (gold resolves, no fix does not), a missing image that is not ours fails naming it and the command that
-gets it, and list and prune touch only images carrying our label."""
+"""eval/sessions/images.py against a real daemon: built from scratch once per run, a rebuild does nothing, swebench
+grades the images (gold resolves, no fix does not), a missing image that is not ours fails naming it and the command
+that gets it, and list and prune touch only images carrying our label."""
 
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ import polars as pl
 import pytest
 from rich.console import Console
 
-from eval import images
-from eval.containers import ContainerError, docker, image_config, image_exists
 from eval.score import grade_docker
-from eval.tasks import save_tasks
+from eval.sessions import images
+from eval.sessions.containers import ContainerError, docker, image_config, image_exists
+from eval.tasks.load import save_tasks
 from tests.docker.conftest import REUSE, FamilyImages
 
 UNFIX = (  # a patch that changes something, but fixes nothing

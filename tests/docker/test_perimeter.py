@@ -20,11 +20,11 @@ from typing import Any
 import polars as pl
 import pytest
 
-from eval import rollout
-from eval.containers import docker
 from eval.runs import read_sessions
-from eval.runtime import FOLDER_LABEL, SESSION_LABEL, SOCKET_PREFIX
-from eval.tasks import save_tasks
+from eval.sessions import rollout
+from eval.sessions.containers import docker
+from eval.sessions.runtime import FOLDER_LABEL, SESSION_LABEL, SOCKET_PREFIX
+from eval.tasks.load import save_tasks
 from tests.eval.test_rollout import by_commit, peak_rss
 
 NOWHERE = "http://127.0.0.1:9"

@@ -11,11 +11,11 @@ import sys
 import pytest
 from ray.cluster_utils import Cluster
 
-from eval.containers import docker
-from eval.procs import ReferenceServer
 from eval.runs import read_rewards, read_sessions
-from eval.runtime import SESSION_LABEL
-from eval.tasks import save_tasks
+from eval.sessions.containers import docker
+from eval.sessions.procs import ReferenceServer
+from eval.sessions.runtime import SESSION_LABEL
+from eval.tasks.load import save_tasks
 from tests.captures import v1_lines
 from tests.eval.test_rollout import FINAL, WRONG_EDIT, by_commit
 

@@ -25,12 +25,12 @@ from typing import Any
 import polars as pl
 import pytest
 
-from eval import rollout
-from eval.containers import docker
-from eval.procs import new_secret_file
 from eval.runs import read_rewards, read_sessions
-from eval.runtime import DEADLINE_GRACE_S, SESSION_LABEL, Limits
-from eval.tasks import load_tasks, save_tasks
+from eval.sessions import rollout
+from eval.sessions.containers import docker
+from eval.sessions.procs import new_secret_file
+from eval.sessions.runtime import DEADLINE_GRACE_S, SESSION_LABEL, Limits
+from eval.tasks.load import load_tasks, save_tasks
 from reconstruct import schema
 from tests.captures import read_records, scripted_proxy, tokens_of
 from tests.eval.test_rollout import WRONG_EDIT, by_commit
@@ -154,7 +154,7 @@ def test_a_round_in_containers_gives_the_local_runtimes_rewards_and_traces(harne
         assert traces["docker"]["prompt_ids"].to_list() == traces["local"]["prompt_ids"].to_list()
 
 
-# A local session's checkout: <tmp>/polar-rollout-<random>/<session id>/repo (eval/rollout.py).
+# A local session's checkout: <tmp>/polar-rollout-<random>/<session id>/repo (eval/sessions/rollout.py).
 LOCAL_WORKSPACE = re.compile(re.escape(tempfile.gettempdir()) + r"/polar-rollout-[^/\"\\]+/[^/\"\\]+/repo")
 
 

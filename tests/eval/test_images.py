@@ -1,6 +1,6 @@
-"""eval/images.py without a daemon: the names and keys of the layers, the host settings a build takes (the Debian
-mirror, pip's settings), and the command a missing image's error names. The builds themselves are tested against a
-real daemon in tests/docker/test_images.py (make test-docker)."""
+"""eval/sessions/images.py without a daemon: the names and keys of the layers, the host settings a build takes (the
+Debian mirror, pip's settings), and the command a missing image's error names. The builds themselves are tested against
+a real daemon in tests/docker/test_images.py (make test-docker)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from eval import images
-from eval.containers import ContainerError
-from eval.tasks import load_tasks
+from eval.sessions import images
+from eval.sessions.containers import ContainerError
+from eval.tasks.load import load_tasks
 
 SOURCES = """Types: deb
 # http://snapshot.debian.org/archive/debian/20250520T000000Z

@@ -270,14 +270,14 @@ def test_make_examples_refuses_a_folder_that_holds_examples_before_making_any(tm
     assert (tmp_path / "example_rollouts.jsonl").read_text() == "an earlier rollout\n"
 
 
-# ---- runtime: where the service runs the agent's sessions (eval/runtime.py), set in the agent's config
+# ---- runtime: where the service runs the agent's sessions (eval/sessions/runtime.py), set in the agent's config
 
 
 def test_the_agent_forwards_its_runtime_to_the_service_and_on_to_the_rollout(tmp_path):
     """The config's ``runtime`` goes into the job body; the service passes it to ``eval rollout --runtime`` (and a
     docker job's grade to ``--runner docker``); null leaves it to the service's own --runtime."""
-    from eval.runtime import RUNTIMES as POLAR_RUNTIMES
     from eval.service.app import Args, parse_submission, rollout_command, score_command
+    from eval.sessions.runtime import RUNTIMES as POLAR_RUNTIMES
 
     assert tuple(POLAR_RUNTIMES) == RUNTIMES  # the agent's copy of the names (it runs in Gym's venv, not ours)
     config = yaml.safe_load((AGENT / "configs" / "polar_swe_agent.yaml").read_text())

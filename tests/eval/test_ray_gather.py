@@ -1,9 +1,9 @@
-"""``eval.ray_rollout``'s gathering of every node's captures into RUN_DIR/captures/<node>/ (issue 37), on stand-in
-proxy actors: a capture file already there is never replaced. The round itself runs in test_ray_rollout.py."""
+"""``eval.sessions.ray_rollout``'s gathering of every node's captures into RUN_DIR/captures/<node>/ (issue 37), on
+stand-in proxy actors: a capture file already there is never replaced. The round itself runs in test_ray_rollout.py."""
 
 from types import SimpleNamespace
 
-from eval import ray_rollout
+from eval.sessions import ray_rollout
 
 NODE = "a" * 40  # a Ray node id; its folder is named by the first 16 characters
 

@@ -21,12 +21,12 @@ import pytest
 from ray.cluster_utils import Cluster
 
 import eval.score
-from eval import rollout
 from eval.harness.presets import MINI
-from eval.procs import Mitmdump, ReferenceServer
-from eval.ray_rollout import CAPTURES, LOST, LOST_SCHEMA, read_lost
 from eval.runs import read_rewards, read_sessions
-from eval.tasks import load_tasks
+from eval.sessions import rollout
+from eval.sessions.procs import Mitmdump, ReferenceServer
+from eval.sessions.ray_rollout import CAPTURES, LOST, LOST_SCHEMA, read_lost
+from eval.tasks.load import load_tasks
 from reconstruct import reconstruct, schema
 from tests.eval.test_rollout import FINAL, WRONG_EDIT, by_commit
 

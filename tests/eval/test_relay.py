@@ -1,5 +1,5 @@
-"""eval/relay.py on loopback: bytes relayed both ways, and the host relay's cap on connections at once (issue 47:
-1,200 connections held by one container added ~2,400 threads to the rollout)."""
+"""eval/sessions/relay.py on loopback: bytes relayed both ways, and the host relay's cap on connections at once (issue
+47: 1,200 connections held by one container added ~2,400 threads to the rollout)."""
 
 import contextlib
 import socket
@@ -9,10 +9,10 @@ import threading
 import time
 from pathlib import Path
 
-import eval.relay
-from eval.relay import Relay
+import eval.sessions.relay
+from eval.sessions.relay import Relay
 
-RELAY_SCRIPT = Path(eval.relay.__file__)
+RELAY_SCRIPT = Path(eval.sessions.relay.__file__)
 
 
 @contextlib.contextmanager

@@ -22,13 +22,13 @@ import pytest
 
 import eval.join
 import eval.score
-from eval import rollout
 from eval.errors import EvalError
 from eval.harness.presets import MINI
-from eval.rollout import Args, main, session_id
 from eval.runs import read_rewards, read_sessions
-from eval.runtime import Limits, take_patch
-from eval.tasks import checkout, load_tasks
+from eval.sessions import rollout
+from eval.sessions.rollout import Args, main, session_id
+from eval.sessions.runtime import Limits, take_patch
+from eval.tasks.load import checkout, load_tasks
 from reconstruct import schema
 from tests.captures import read_records, scripted_proxy, tokens_of
 

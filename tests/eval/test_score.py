@@ -11,10 +11,10 @@ import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
-from eval.instances import GIT_ENV
 from eval.runs import read_rewards, write_sessions
 from eval.score import Args, grade, main, sandbox_env
-from eval.tasks import checkout, load_tasks, save_tasks
+from eval.tasks.instances import GIT_ENV
+from eval.tasks.load import checkout, load_tasks, save_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGER = "polar-toy__pager-1"

@@ -1,4 +1,4 @@
-"""eval/taskgen.py, the generated task family: deterministic from its seed, split by construction and checked so,
+"""eval/tasks/family.py, the generated task family: deterministic from its seed, split by construction and checked so,
 each instance valid under swebench's grading, its teacher's sed the gold fix."""
 
 import subprocess
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from eval import taskgen
-from eval.instances import TaskError
-from eval.taskgen_cli import check_instance, sample
-from eval.tasks import checkout, load_tasks
+from eval.tasks import family as taskgen
+from eval.tasks.cli import check_instance, sample
+from eval.tasks.instances import TaskError
+from eval.tasks.load import checkout, load_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
 

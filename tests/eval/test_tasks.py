@@ -1,4 +1,4 @@
-"""eval/tasks.py: the shipped toy suite, loading through swebench's loader, checkouts with stable hashes."""
+"""eval/tasks/load.py: the shipped toy suite, loading through swebench's loader, checkouts with stable hashes."""
 
 import json
 import os
@@ -10,7 +10,7 @@ import polars as pl
 import pytest
 from swebench.harness.utils import make_test_spec
 
-from eval.tasks import REQUIRED_FIELDS, TaskError, checkout, load_tasks, save_tasks, toy_instances
+from eval.tasks.load import REQUIRED_FIELDS, TaskError, checkout, load_tasks, save_tasks, toy_instances
 
 
 @pytest.fixture(scope="module")

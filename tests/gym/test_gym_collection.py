@@ -25,7 +25,7 @@ import pytest
 
 from eval.nemo_gym.gym_root import GYM_BIN
 from eval.nemo_gym.make_examples import script
-from eval.procs import ROOT, Service, free_port
+from eval.sessions.procs import ROOT, Service, free_port
 from tests.captures import scripted_proxy
 from tests.gym.helpers import require_gym_python
 

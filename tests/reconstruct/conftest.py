@@ -20,7 +20,7 @@ from typing import Any
 import openai
 import pytest
 
-from eval.procs import Mitmdump, Service, free_port
+from eval.sessions.procs import Mitmdump, Service, free_port
 from tests.captures import v1_lines
 
 SCRIPT = [

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from addon.writer import CaptureWriter
-from eval.procs import ROOT
+from eval.sessions.procs import ROOT
 from reconstruct import reconstruct, schema
 from reconstruct.__main__ import _generic_tokenizer, main
 from tests.addon.test_record_v2 import decode, session

@@ -18,7 +18,7 @@ from google import genai
 from google.genai import types
 from transformers import AutoTokenizer
 
-from eval.procs import Mitmdump, ReferenceServer
+from eval.sessions.procs import Mitmdump, ReferenceServer
 from reconstruct import reconstruct
 from tests.captures import read_records
 

@@ -10,7 +10,7 @@ import json
 import openai
 import pytest
 
-from eval.procs import Mitmdump, ReferenceServer
+from eval.sessions.procs import Mitmdump, ReferenceServer
 from reconstruct import reconstruct
 from tests.captures import read_records
 

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from eval.procs import stop_tree
+from eval.sessions.procs import stop_tree
 from tests.train.helpers import groups, trace, write
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from eval.procs import ROOT, Mitmdump
+from eval.sessions.procs import ROOT, Mitmdump
 from eval.upstream.vllm import SERVED_NAME, VllmServer
 
 VLLM_PYTHON = os.environ.get("POLAR_VLLM_PYTHON")

@@ -11,10 +11,10 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from eval import rollout
-from eval.procs import ROOT
 from eval.runs import read_sessions
-from eval.tasks import load_tasks
+from eval.sessions import rollout
+from eval.sessions.procs import ROOT
+from eval.tasks.load import load_tasks
 from reconstruct import audit, schema, score_trace
 from tests.captures import session_lines
 from tests.train.helpers import groups, write

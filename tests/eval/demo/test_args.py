@@ -6,10 +6,10 @@ import sys
 import pytest
 import tyro
 
-from eval import taskgen
 from eval.demo import loop
 from eval.demo.loop import Args
 from eval.errors import EvalError
+from eval.tasks import family as taskgen
 
 
 def test_a_script_replays_through_the_reference_server_only(tmp_path):
@@ -54,7 +54,7 @@ def test_max_len_follows_the_harness_unless_given():
     assert Args(harness="pi", max_len=2048).trace_tokens == 2048
 
 
-# ---- --runtime: where the sessions run (eval/runtime.py), chosen like python -m eval rollout's
+# ---- --runtime: where the sessions run (eval/sessions/runtime.py), chosen like python -m eval rollout's
 
 
 def test_runtime_is_auto_by_default_and_a_bad_one_is_refused():

@@ -3,9 +3,9 @@ tasks it draws, and what it records; and the demo's --groups, --max-draws and --
 
 import pytest
 
-from eval import taskgen
 from eval.demo import sampling
 from eval.demo.loop import Args
+from eval.tasks import family as taskgen
 
 MIXED, SOLVED, FAILED = (1.0, 0.0, 1.0, 0.0), (1.0,) * 4, (0.0,) * 4
 

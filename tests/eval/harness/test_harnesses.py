@@ -23,7 +23,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from eval.harness.presets import HarnessRun, run_harness
-from eval.procs import Mitmdump, ReferenceServer
+from eval.sessions.procs import Mitmdump, ReferenceServer
 from tests.captures import v1_lines
 
 pytestmark = pytest.mark.slow

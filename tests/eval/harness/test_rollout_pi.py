@@ -9,9 +9,9 @@ and the second with a final answer; the proxy records both under the session id 
 import pytest
 
 import eval.score
-from eval import rollout
 from eval.runs import read_rewards, read_sessions
-from eval.tasks import load_tasks
+from eval.sessions import rollout
+from eval.tasks.load import load_tasks
 from tests.captures import read_records, scripted_proxy
 
 pytestmark = pytest.mark.slow

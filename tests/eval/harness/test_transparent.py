@@ -21,7 +21,7 @@ from google import genai
 from transformers import AutoTokenizer
 
 from eval.harness.transparent import TransparentMitmdump, harness_env, run_transparent
-from eval.procs import ReferenceServer
+from eval.sessions.procs import ReferenceServer
 from tests.captures import read_records, tokens_of, v1_bytes
 from tests.eval.harness.test_harnesses import CASES, COMMAND, FINAL, PROMPT, RUN_TIMEOUT, script, token_ids
 
@@ -179,9 +179,9 @@ def test_cli_round_trip(harness, cli_runs, tokenizer):
 def test_rollout_transparent_claude_code_resolves_a_toy_task(tiny_model_dir, harness_bin, tmp_path):
     """python -m eval rollout --transparent: Claude Code on its own URL fixes a toy task through the reroute."""
     import eval.score
-    from eval import rollout
     from eval.runs import read_rewards, read_sessions
-    from eval.tasks import load_tasks
+    from eval.sessions import rollout
+    from eval.tasks.load import load_tasks
 
     task = min(load_tasks("toy"), key=lambda t: len(t["patch"]))
     apply_gold = {"command": f"git apply <<'EOF_GOLD'\n{task['patch']}EOF_GOLD", "description": "Apply the fix"}

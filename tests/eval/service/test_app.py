@@ -22,8 +22,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from eval.procs import Service, free_port
-from eval.tasks import load_tasks
+from eval.sessions.procs import Service, free_port
+from eval.tasks.load import load_tasks
 from tests.captures import scripted_proxy
 from tests.gym.helpers import gym_python
 
@@ -308,8 +308,8 @@ def test_the_runtime_reaches_the_rollout_and_the_grade_and_a_bad_one_is_refused(
 
 
 def test_a_docker_job_is_refused_where_no_daemon_answers(tmp_path, monkeypatch):
-    from eval.containers import require_daemon
     from eval.service.app import Args, JobError, Service
+    from eval.sessions.containers import require_daemon
 
     monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/polar-test.sock")
     require_daemon.cache_clear()

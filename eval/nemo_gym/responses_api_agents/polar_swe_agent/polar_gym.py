@@ -62,8 +62,8 @@ FAILURE_KINDS = {
     "grade_failed": "verifier_error",
 } | {reason: f"polar:{reason}" for reason in MASK_REASONS if reason not in ("job_failed", "timeout", "grade_failed")}
 FINISHED = ("done", "failed", "cancelled")
-# Where the service runs a session (polar-rl's eval/runtime.py RUNTIMES; a test keeps the two the same): local on
-# the service's machine, unsandboxed; docker in the task's own container, no network but its proxy.
+# Where the service runs a session (polar-rl's eval/sessions/runtime.py RUNTIMES; a test keeps the two the same): local
+# on the service's machine, unsandboxed; docker in the task's own container, no network but its proxy.
 RUNTIMES = ("local", "docker")
 TRIPLE = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 

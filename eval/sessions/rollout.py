@@ -3,9 +3,9 @@
     python -m eval rollout --tasks toy --harness mini --samples 4 --proxy http://127.0.0.1:8080 --out runs/r1 \\
         [--model NAME] [--concurrency K] [--timeout S] [--instance-ids ID ...] [--command 'CMD {instruction}']
         [--transparent --ca-cert CA.pem]
-    python -m eval rollout ... --ray auto --upstream http://127.0.0.1:8000   # over a Ray cluster: eval/ray_rollout.py
+    python -m eval rollout ... --ray auto --upstream http://127.0.0.1:8000   # over a Ray cluster: ray_rollout.py
 
-For every task and sample: a fresh git checkout of the task's repo (eval.tasks.checkout), a session id that is
+For every task and sample: a fresh git checkout of the task's repo (eval.tasks.load.checkout), a session id that is
 unique to this run (``<run>-<nonce>-<instance_id>-<sample>``; it is the API key, so the proxy files every call
 under it), the harness run non-interactively against the proxy in an isolated HOME under a timeout
 (eval/harness/presets.py), then the patch it left: ``git add -A`` and ``git diff --cached --binary`` against the base
@@ -14,7 +14,7 @@ commit, without harness and cache folders (HARNESS_FOLDERS). Each session ends w
 failed). Sessions run ``--concurrency`` at a time; one that crashes or hangs never stops the others.
 
 Before anything runs, the proxy must answer ``GET /polar/health`` as a recording capture addon
-(``eval.procs.check_proxy``): a mitmdump whose addon did not load forwards every call unrecorded.
+(``eval.sessions.procs.check_proxy``): a mitmdump whose addon did not load forwards every call unrecorded.
 
 Writes RUN_DIR/tasks.jsonl (the instances used), RUN_DIR/sessions.parquet (eval/runs.py; one row per task x
 sample in task order, then sample order) and RUN_DIR/logs/<session_id>/{stdout,stderr}.txt. Next:
@@ -51,9 +51,9 @@ from eval.errors import EvalError
 from eval.harness.install import install
 from eval.harness.presets import MINI, PRESETS, HarnessRun, Name, prepare
 from eval.harness.transparent import run_transparent
-from eval.procs import check_proxy
 from eval.runs import LOGS, SESSION_STATUSES, SESSIONS, SESSIONS_SCHEMA, TASKS, write_sessions
-from eval.runtime import (
+from eval.sessions.procs import check_proxy
+from eval.sessions.runtime import (
     RUNTIMES,
     Limits,
     PatchError,
@@ -63,7 +63,7 @@ from eval.runtime import (
     remove_run,
     take_patch,
 )
-from eval.tasks import checkout, load_tasks, save_tasks
+from eval.tasks.load import checkout, load_tasks, save_tasks
 from reconstruct.files import write_atomic
 
 __all__ = ["Args", "instruction", "main", "session_id"]
@@ -104,7 +104,7 @@ class Args:
     """Output tokens per model call; default: the harness's own cap."""
     max_turns: int | None = None
     """Model calls per session at most (mini only); default: the harness's own limit."""
-    # ---- where sessions run (eval/runtime.py, docs/runtimes.md)
+    # ---- where sessions run (eval/sessions/runtime.py, docs/runtimes.md)
     runtime: RuntimeName = "local"
     """local: the harness and the model's commands on this machine, in a temporary checkout, UNSAFE for untrusted
     models; docker: each session in its task's own image (python -m eval images build), no network but its proxy."""
@@ -132,7 +132,7 @@ class Args:
     proxy_check: bool = True
     """Refuse to start unless --proxy answers GET /polar/health as a recording capture addon (off only for
     harnesses that make no model call)."""
-    # ---- over a Ray cluster (eval/ray_rollout.py, docs/scale.md)
+    # ---- over a Ray cluster (eval/sessions/ray_rollout.py, docs/scale.md)
     ray: str | None = None
     """Spread the sessions over this Ray cluster ("auto": the one `ray start` joined this machine to, or
     HOST:PORT); each node gets its own capture proxy, grades its sessions and sends back their captures."""
@@ -423,7 +423,7 @@ def _on_ray(jobs: list[Job], args: Args, run_dir: Path, run_tag: str) -> list[di
     """The round over the Ray cluster at ``args.ray``; also writes rewards, lost attempts and captures."""
     import ray
 
-    from eval import ray_rollout
+    from eval.sessions import ray_rollout
 
     ray.init(address=args.ray, log_to_driver=False)
     try:

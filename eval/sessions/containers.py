@@ -1,6 +1,6 @@
 """The Docker CLI as the runtimes and the image builder use it: one call shape, one error, one daemon check.
 
-    from eval.containers import docker, require_daemon
+    from eval.sessions.containers import docker, require_daemon
     require_daemon()                                  # ContainerError naming DOCKER_HOST when none answers
     docker("image", "inspect", "polar-gen/pager:0123abcd")
 

@@ -1,9 +1,9 @@
 """SWE-bench-style tasks for ``python -m eval``: the shipped toy suite, the generated family, local instance
 files, and checkouts.
 
-    from eval.tasks import load_tasks, checkout
-    tasks = load_tasks("toy")                                    # the shipped suite, eval/toy/<name>/
-    tasks = load_tasks("family:heldout")                         # generated (eval/taskgen.py); family:train@1
+    from eval.tasks.load import load_tasks, checkout
+    tasks = load_tasks("toy")                                    # the shipped suite, eval/tasks/toy/<name>/
+    tasks = load_tasks("family:heldout")                         # generated (eval/tasks/family.py); family:train@1
     tasks = load_tasks("runs/r1/tasks.jsonl", ["polar-toy__pager-1"])  # or .json / .parquet / a hub dataset
     repo = checkout(tasks[0], Path("/tmp/ws"))                   # git working tree at base_commit
 
@@ -11,9 +11,9 @@ Instances have the SWE-bench 5.x shape: the ``SWEbenchInstance`` fields plus wha
 (``image, log_parser, eval_type, eval_script``). Every spec goes through swebench's own
 ``load_swebench_dataset``; ``"toy"`` and ``"family..."`` are first written to a temporary JSONL for it. A toy or
 generated task's ``image`` is ``<repo>:<base_commit[:12]>``, which ``python -m eval images build`` makes
-(eval/images.py); other instances name their own (SWE-bench's on Docker Hub).
+(eval/sessions/images.py); other instances name their own (SWE-bench's on Docker Hub).
 
-The toy suite: each ``eval/toy/<name>/`` holds ``repo/`` (the repository at ``base_commit``, as plain files),
+The toy suite: each ``eval/tasks/toy/<name>/`` holds ``repo/`` (the repository at ``base_commit``, as plain files),
 ``gold.patch`` (the reference fix), ``test.patch`` (the tests that check it) and ``task.json`` (issue text,
 hints, ``FAIL_TO_PASS``/``PASS_TO_PASS``, ``base_commit``). ``checkout`` commits ``repo/`` with a fixed author,
 committer, dates and no user or system git config, so the commit hash is the same everywhere and equals the
@@ -42,8 +42,8 @@ from swebench.harness.constants import EvalType
 from swebench.harness.log_parsers import PARSER_REGISTRY
 from swebench.harness.utils import load_swebench_dataset
 
-from eval import taskgen
-from eval.instances import TaskError, eval_script, git, image_tag, write_repo
+from eval.tasks import family as taskgen
+from eval.tasks.instances import TaskError, eval_script, git, image_tag, write_repo
 
 __all__ = [
     "FAMILY",
@@ -86,9 +86,9 @@ GRAMMARS = {
         "a Docker image reference: [REGISTRY/]lowercase/path[:TAG][@sha256:DIGEST]",
     ),
 }
-RESERVED_IMAGES = ("polar-base", "polar-env")  # eval/images.py's own layers: a task never names (or re-tags) them
+RESERVED_IMAGES = ("polar-base", "polar-env")  # eval/sessions/images.py's layers: a task never names (or re-tags) them
 
-FAMILY = "family"  # load_tasks("family[:train|:heldout][@SEED]"): the generated family (eval/taskgen.py)
+FAMILY = "family"  # load_tasks("family[:train|:heldout][@SEED]"): the generated family (eval/tasks/family.py)
 
 
 def load_tasks(
@@ -193,7 +193,7 @@ def toy_instance(folder: Path) -> dict[str, Any]:
         "FAIL_TO_PASS": meta["FAIL_TO_PASS"],
         "PASS_TO_PASS": meta["PASS_TO_PASS"],
         "environment_setup_commit": meta["base_commit"],
-        # Content-named: `python -m eval images build` makes it (eval/images.py); the local runner needs none.
+        # Content-named: `python -m eval images build` makes it (eval/sessions/images.py); the local runner needs none.
         "image": image_tag(f"{TOY_REPO_OWNER}/{folder.name}", meta["base_commit"]),
         "log_parser": "parse_log_pytest",
         "eval_type": EvalType.PASS_AND_FAIL.value,

@@ -6,13 +6,13 @@
         patch = box.patch(task["base_commit"])
 
 ``local``: the harness and every command the model writes run on this machine, as the caller, in a fresh checkout
-(eval.tasks.checkout) under ``work``. Nothing stands between them and the host: for development and trusted
+(eval.tasks.load.checkout) under ``work``. Nothing stands between them and the host: for development and trusted
 models only.
 
 ``docker``: the task's own image (its ``image`` field; ``python -m eval images build`` makes ours, a registry gives
 SWE-bench's), the repository at ``/testbed``, one container per session:
 
-- ``--network none``: the container has only its own loopback. A relay in it (eval/relay.py) carries
+- ``--network none``: the container has only its own loopback. A relay in it (eval/sessions/relay.py) carries
   ``127.0.0.1:<proxy port>`` to a unix socket bound from the host, where a host-side relay carries it on to this
   session's proxy and nowhere else. The harness sees the proxy's URL with the host replaced by 127.0.0.1.
 - bound read-only at their own paths: this interpreter's prefixes (the relay, ``mini``), and ``mounts`` (the npm
@@ -45,12 +45,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 from urllib.parse import urlsplit
 
-from eval.containers import ContainerError, daemon_address, docker, docker_cli, image_config, require_daemon
 from eval.errors import EvalError
 from eval.harness.presets import PRESETS, HarnessRun, run_process
-from eval.procs import OutputTail
-from eval.relay import Relay
-from eval.tasks import checkout
+from eval.sessions.containers import ContainerError, daemon_address, docker, docker_cli, image_config, require_daemon
+from eval.sessions.procs import OutputTail
+from eval.sessions.relay import Relay
+from eval.tasks.load import checkout
 
 if TYPE_CHECKING:
     from docker import DockerClient
@@ -77,7 +77,7 @@ DEADLINE_GRACE_S = 60.0
 SOCKET_DIR = "/polar/sock"
 RUN_LABEL = "polar.run"
 SESSION_LABEL = "polar.session"
-FOLDER_LABEL = "polar.folder"  # the run folder's digest (eval.rollout.folder_label): what a rerun there removes
+FOLDER_LABEL = "polar.folder"  # the run folder's digest (rollout.folder_label): what a rerun there removes
 SOCKET_PREFIX = "polar-sock-"
 CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FOWNER")
 DISK_POLL_S = 0.5  # how often the watchdog reads a container's size; it may pass --limits.disk by this much writing
@@ -382,7 +382,7 @@ def open_docker(
     require_daemon()
     import docker as docker_sdk  # the SDK's import costs a second: only where containers run
 
-    from eval.images import require_image
+    from eval.sessions.images import require_image
 
     image = require_image(task)  # ContainerError naming the image and the command that gets it
     url = urlsplit(proxy)
@@ -451,8 +451,8 @@ def remove_run(run_tag: str) -> int:
 
 
 def remove_leftovers(folder: str) -> int:
-    """Remove what rollouts into the run folder labelled ``folder`` left behind (a ``kill -9``): its containers and
-    its temporary folders, never another folder's. Only while holding that folder's lock (eval.rollout): no live
+    """Remove what rollouts into the run folder labelled ``folder`` left behind (a ``kill -9``): its containers and its
+    temporary folders, never another folder's. Only while holding that folder's lock (eval.sessions.rollout): no live
     rollout writes there then. Returns how many containers went."""
     for leftover in Path(tempfile.gettempdir()).glob(f"{SOCKET_PREFIX}{folder}-*"):
         shutil.rmtree(leftover, ignore_errors=True)

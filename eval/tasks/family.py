@@ -1,11 +1,11 @@
 """The generated task family: small Python packages, each with one procedural bug whose fix is one line, in the
 spirit of SWE-smith's procedural bugs (../shared/reference/task-generation.md), made from a seed at run time.
 
-    from eval import taskgen
+    from eval.tasks import family as taskgen
     family = taskgen.generate(seed=0)              # {"train": [128 instances], "heldout": [64 instances]}, checked
     edit = taskgen.sed_edit(instance)              # the teacher's one-line sed, derived from the gold patch
 
-Each instance is a SWE-bench 5.x instance (eval/tasks.py's shape), repo ``polar-gen/<module>``, instance id
+Each instance is a SWE-bench 5.x instance (eval/tasks/load.py's shape), repo ``polar-gen/<module>``, instance id
 ``polar-gen__<module>-<seed>``. Its repository holds ``<module>/core.py`` (the buggy function and a decoy),
 ``<module>/__init__.py``, a README and ``tests/test_<module>.py`` with the decoy's test (PASS_TO_PASS); the test
 patch adds the buggy function's test (FAIL_TO_PASS), whose expected value is computed by running the fixed code.
@@ -38,7 +38,7 @@ from typing import Any
 from swebench.harness.constants import EvalType
 from unidiff.patch import PatchSet
 
-from eval.instances import TaskError, base_commit, eval_script, image_tag
+from eval.tasks.instances import TaskError, base_commit, eval_script, image_tag
 
 __all__ = [
     "KINDS",
@@ -365,7 +365,7 @@ def make(seed: int, split: str, index: int) -> Made:
         "FAIL_TO_PASS": [f"{test_path}::test_{fn}"],
         "PASS_TO_PASS": [f"{test_path}::test_{decoy}"],
         "environment_setup_commit": commit,
-        # Content-named: `python -m eval images build` makes it (eval/images.py); the local runner needs none.
+        # Content-named: `python -m eval images build` makes it (eval/sessions/images.py); the local runner needs none.
         "image": image_tag(f"{OWNER}/{module}", commit),
         "log_parser": "parse_log_pytest",
         "eval_type": EvalType.PASS_AND_FAIL.value,

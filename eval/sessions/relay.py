@@ -1,7 +1,7 @@
 """A byte relay between a TCP port and a unix socket: how a container with no network reaches its proxy.
 
-    python -P eval/relay.py --listen tcp:127.0.0.1:8080 --connect unix:/polar/sock/proxy.sock   # in the container
-    Relay("unix:/tmp/s1/proxy.sock", "tcp:127.0.0.1:8080").start()                             # on the host
+    python -P eval/sessions/relay.py --listen tcp:127.0.0.1:8080 --connect unix:/polar/sock/proxy.sock  # in a container
+    Relay("unix:/tmp/s1/proxy.sock", "tcp:127.0.0.1:8080").start()                                      # on the host
 
 A docker session runs with ``--network none``: its only way out is the unix socket of its own host-side relay,
 bound into the container. The harness CLIs (and mitmproxy, mitmproxy#7072) speak only TCP, so inside the

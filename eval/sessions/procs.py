@@ -38,7 +38,7 @@ import psutil
 
 from addon import health
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ADDON = ROOT / "addon" / "polar.py"
 HEALTH_PATH = health.PATH  # addon/polar.py answers it itself
 # Through a regular-mode (transparent) proxy the health request needs some plain-HTTP origin; the addon

@@ -4,10 +4,10 @@
     python -m eval images list                       # our images: tag, kind, what for, size, created, current
     python -m eval images prune [--all] [--dry-run]  # our images a build today would not reuse; --all: all ours
 
-    from eval.images import require_image
+    from eval.sessions.images import require_image
     image = require_image(task)  # the task's image name; ContainerError naming it and the command that gets it
 
-Our tasks (the toy suite and the generated family, eval/tasks.py) are built here, in three layers, each tagged
+Our tasks (the toy suite and the generated family, eval/tasks/load.py) are built here, in three layers, each tagged
 and labelled with a content key (``polar.key``) and built only when no image of that tag carries that key:
 
 - **base**: Debian's packages, no registry: ``debootstrap --variant=minbase --include=python3,...,procps
@@ -22,7 +22,7 @@ and labelled with a content key (``polar.key``) and built only when no image of 
   build and installed with ``update-ca-certificates``; pip runs with the host's index settings (its ``pip config
   list`` less local paths and ``file://`` indexes, which the image lacks) and the system CA bundle. Neither is
   part of the key: they are how the build reaches the index, not what the image holds.
-- **task**: FROM env, the task's checkout (``eval.tasks.checkout``, ``.git`` included) at ``/testbed``, ``WORKDIR
+- **task**: FROM env, the task's checkout (``eval.tasks.load.checkout``, ``.git`` included) at ``/testbed``, ``WORKDIR
   /testbed``, ``STOPSIGNAL SIGKILL`` (swebench stops its containers with ``docker stop --time=15``, whose SIGTERM
   the container's ``tail -f /dev/null`` ignores for all 15 s), tagged with the instance's ``image`` field
   (``<repo>:<base_commit[:12]>``).
@@ -66,10 +66,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from eval import taskgen
-from eval.containers import ContainerError, daemon_address, docker, docker_cli, image_exists, require_daemon
 from eval.errors import EvalError
-from eval.tasks import OURS, checkout, load_tasks
+from eval.sessions.containers import ContainerError, daemon_address, docker, docker_cli, image_exists, require_daemon
+from eval.tasks import family as taskgen
+from eval.tasks.load import OURS, checkout, load_tasks
 
 __all__ = [
     "CA_DIR",

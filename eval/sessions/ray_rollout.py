@@ -6,19 +6,19 @@
 
 - **A capture proxy per node.** :class:`CaptureProxy` is a Ray actor pinned to its node that owns one ``mitmdump``
   with the addon in front of ``--upstream`` (``127.0.0.1`` there is that node's own inference server) and answers
-  only once ``GET /polar/health`` says it records (:class:`eval.procs.Mitmdump`). It holds no CPU. It checks
+  only once ``GET /polar/health`` says it records (:class:`eval.sessions.procs.Mitmdump`). It holds no CPU. It checks
   session keys against a secret of its own (addon/session.py): a session gets its key signed for its node's proxy,
   and nothing else can write into that proxy's captures.
 - **Sessions are Ray tasks** of one CPU each, placed by Ray's scheduler where a CPU is free. A session runs its
-  harness against the proxy of the node it landed on, in ``--runtime`` (eval/runtime.py), then grades its patch
+  harness against the proxy of the node it landed on, in ``--runtime`` (eval/sessions/runtime.py), then grades its patch
   there: ``eval.score.grade`` after ``local`` (the checkout is already on that node's disk), swebench's
   ``run_instance`` in a fresh container after ``docker`` (the node's daemon must have the task images).
-- **The run folder is a one-machine run's**: ``tasks.jsonl``, ``sessions.parquet`` (written by eval/rollout.py),
-  ``rewards.parquet``, ``logs/<session_id>/``, and every node's captures under ``captures/<node>/``. Record ids
-  are random per record (addon/record.py), so the gathered folders hold no two records with one id. A capture file
-  already there is never replaced (issue 37): one of the same bytes is kept as it is, and a round's file whose name
-  holds other bytes is written beside it as ``<stem>-<n>.jsonl``, said on stderr (reconstruct reads every
-  ``*.jsonl``).
+- **The run folder is a one-machine run's**: ``tasks.jsonl``, ``sessions.parquet`` (written by
+  eval/sessions/rollout.py), ``rewards.parquet``, ``logs/<session_id>/``, and every node's captures under
+  ``captures/<node>/``. Record ids are random per record (addon/record.py), so the gathered folders hold no two records
+  with one id. A capture file already there is never replaced (issue 37): one of the same bytes is kept as it is, and a
+  round's file whose name holds other bytes is written beside it as ``<stem>-<n>.jsonl``, said on stderr (reconstruct
+  reads every ``*.jsonl``).
 - **Lost attempts.** A session whose worker or node died is run again, under a new session id, on whatever node has
   a free CPU (at most ``MAX_ATTEMPTS`` times). So is a finished session whose node died before the round's captures
   were gathered: its records died with the node. Each lost attempt is a row of ``lost.parquet``; its session id
@@ -27,7 +27,7 @@
 
 Captures travel to the driver through Ray's object store when the round ends, one node at a time.
 
-This module never imports eval/rollout.py (which imports it): the driver passes it the session runner and the
+This module never imports eval/sessions/rollout.py (which imports it): the driver passes it the session runner and the
 session id maker as arguments.
 """
 
@@ -48,9 +48,9 @@ import ray.exceptions
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from eval.errors import EvalError
-from eval.procs import Mitmdump, check_proxy, new_secret_file
 from eval.runs import FORMAT_VERSION, LOGS, REWARDS_SCHEMA, VERSION_KEY, RunError, write_rewards
 from eval.score import HARNESS_FAILED, Grade, grade, grade_docker
+from eval.sessions.procs import Mitmdump, check_proxy, new_secret_file
 from reconstruct.files import conform_table, read_versioned_parquet, write_new, write_versioned_parquet
 
 __all__ = ["CAPTURES", "LOST", "LOST_SCHEMA", "MAX_ATTEMPTS", "CaptureProxy", "read_lost", "run_round", "write_lost"]
@@ -77,8 +77,8 @@ WORKER_LOST = (
 )
 
 
-RollOut = Callable[[Any, Any, Path, Path], dict[str, Any]]  # eval.rollout.roll_out(job, args, work_root, logs)
-SessionId = Callable[[str, str, int], str]  # eval.rollout.session_id(run_tag, instance_id, sample)
+RollOut = Callable[[Any, Any, Path, Path], dict[str, Any]]  # eval.sessions.rollout.roll_out(job, args, work_root, logs)
+SessionId = Callable[[str, str, int], str]  # eval.sessions.rollout.session_id(run_tag, instance_id, sample)
 
 
 @ray.remote(num_cpus=0, max_restarts=0)

@@ -1,4 +1,4 @@
-"""``python -m eval tasks``: list, validate and export the generated task family (eval/taskgen.py).
+"""``python -m eval tasks``: list, validate and export the generated task family (eval/tasks/family.py).
 
     python -m eval tasks list [--seed 0]                      # one line per instance, then counts per split
     python -m eval tasks validate [--per-kind 2] [--seed 0]   # swebench-graded before/after check of a sample
@@ -25,10 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from eval import taskgen
-from eval.instances import git
 from eval.score import grade
-from eval.tasks import checkout, save_tasks, validate
+from eval.tasks import family as taskgen
+from eval.tasks.instances import git
+from eval.tasks.load import checkout, save_tasks, validate
 
 __all__ = ["Args", "Export", "List", "Validate", "check_instance", "main", "sample"]
 

@@ -1,4 +1,4 @@
-"""What eval/tasks.py (loading, checkouts) and eval/taskgen.py (the generated family) share: the fixed git
+"""What eval/tasks/load.py (loading, checkouts) and eval/tasks/family.py (the generated family) share: the fixed git
 identity that makes a repository's commit hash the same everywhere, that hash computed without git, the eval
 script every local instance runs, and a repository written from files and committed.
 
@@ -43,7 +43,7 @@ class TaskError(EvalError):
 
 
 def image_tag(repo: str, commit: str) -> str:
-    """The ``image`` of a task we build ourselves (``python -m eval images build``, eval/images.py): the
+    """The ``image`` of a task we build ourselves (``python -m eval images build``, eval/sessions/images.py): the
     repository at its base commit, so the name changes whenever the checkout would."""
     return f"{repo}:{commit[:12]}"
 
