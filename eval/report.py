@@ -3,7 +3,7 @@
     python -m eval report RUN_DIR [RUN_DIR ...] [--k 1 5 10] [--plot PATH] [--against OTHER_RUN_DIR]
 
 Reads RUN_DIR/rewards.parquet of every run (``python -m eval score RUN_DIR``); runs of one harness pool their
-samples per task. pass@k is the unbiased estimator of Chen et al. 2021 (https://arxiv.org/abs/2107.03374, §2.1):
+samples per task (several rounds of a loop are compared with ``--against``, not pooled: the report says so). pass@k is the unbiased estimator of Chen et al. 2021 (https://arxiv.org/abs/2107.03374, §2.1):
 with n graded samples of a task of which c resolved, pass@k = 1 - C(n-c, k) / C(n, k); overall = the mean over
 the tasks that have at least k samples (a task with fewer has no pass@k). Prints a table per harness and task
 and an overall one; writes the numbers to ``report.json`` and a grouped bar chart (overall pass@k by harness)
@@ -201,6 +201,14 @@ def main(args: Args) -> int:
         cells = [_fmt(row[f"pass@{k}"]) for k in ks]
         table.add_row(row["harness"], str(row["tasks"]), f"{row['resolved']} / {row['samples']}", *cells)
     console.print(table)
+    if len(args.run_dirs) > 1 and args.against is None:  # a user comparing two rounds types this first
+        first, *rest = args.run_dirs
+        console.print(
+            f"{len(args.run_dirs)} run folders pooled: their samples count together per harness and task. To compare "
+            f"runs task by task: python -m eval report {first} --against {rest[0]}",
+            highlight=False,
+            soft_wrap=True,
+        )
 
     out_dir = args.run_dirs[0]
     runs = [str(run) for run in args.run_dirs]

@@ -245,7 +245,9 @@ def test_report_pools_runs_and_counts_ungraded_sessions(tmp_path, capsys):
     numbers = json.loads((tmp_path / "a" / "report.json").read_text())
     assert [(r["harness"], r["n"], r["c"], r["pass@1"]) for r in numbers["per_task"]] == [("mini", 2, 1, 0.5)]
     assert (tmp_path / "chart.svg").exists()
-    assert "1 sessions have no row in rewards.parquet" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "1 sessions have no row in rewards.parquet" in out
+    assert "2 run folders pooled" in out and f"report {tmp_path / 'a'} --against {tmp_path / 'b'}" in out
 
 
 def test_report_onto_a_folder_with_another_report_keeps_it_and_writes_a_numbered_one(tmp_path, capsys):
