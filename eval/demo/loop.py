@@ -4,9 +4,9 @@ It trains on the generated family's training split (eval/tasks/family.py) and is
     python -m eval demo [--harness mini|pi] [--seed 0] [--rounds 2] [--teach-count 64] [--grpo-task-count 16]
                         [--heldout-sessions 320] [--heldout-samples 5] [--other-heldout-samples 1] [--samples 4]
                         [--tasks ID ...] [--heldout ID ...] [--reuse RUN] [--runtime auto|local|docker]
-                        [--groups 8 [--max-draws 32] [--pool ID ...] | --groups None]
+                        [--groups 8 [--max-draws 32] [--pool ID ...] | --groups None] [--resume RUN]
     make demo [HARNESS=pi] [SEED=1] [ROUNDS=2] [TEACH=64] [GRPO_TASKS=16] [HELDOUT=320] [SAMPLES=4] [THREADS=2]
-              [REUSE=runs/demo/<time>] [RUNTIME=docker] [GROUPS=8] [MAX_DRAWS=32]
+              [REUSE=runs/demo/<time>] [RUNTIME=docker] [GROUPS=8] [MAX_DRAWS=32] [RESUME=runs/demo/<time>]
 
 Where sessions run (--runtime, eval/sessions/runtime.py): by default (auto) each session runs in its task's own
 container (docker: no network but its proxy) when a Docker daemon answers and the run's task images build (``python -m
@@ -42,6 +42,9 @@ task the run uses):
    Fisher's exact test and Newcombe's interval beside; RUN/summary.json, RUN/report.html. ``python -m eval
    demo-report RUN`` recounts.
 
+A stopped or killed run finishes with ``--resume RUN`` (the same flags): the phases that ended (RUN/.done/) are kept,
+the first unfinished one starts over, what it wrote moved to RUN/attempts/<n>/ (docs/demo.md, "The run folder").
+
 --max-len follows the harness unless given: 1024 tokens for mini, 3072 for a shipped CLI (Pi's traces are ~1,750
 tokens; at 1024 every one was dropped as prompt_too_long and SFT had nothing to train). docs/demo.md has the
 measured runs. notebooks/ opens a run folder.
@@ -67,6 +70,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import polars as pl
+import psutil
 from rich.console import Console
 
 from eval.demo import report as demo_report
@@ -199,6 +203,9 @@ class Args:
     comparing SFT or GRPO settings on the same teacher data and the same base measurement."""
     out: Path = Path("runs/demo")
     """Parent of the run folder <UTC time>/."""
+    resume: Path | None = None
+    """A run folder of an earlier demo, stopped or killed, to finish with the same flags: the phases it finished
+    (RUN/.done/) are kept, the first unfinished one starts over, what it had written moved to RUN/attempts/<n>/."""
     seed: int = 0
     """Seeds the server's sampling, the LoRA initialisation and the order of training data."""
 
@@ -270,6 +277,10 @@ class Args:
                 raise ValueError(f"{flag} {wrong[0]}: a generated task of the other split (this one takes {split})")
         for task in self.teach:
             teacher_messages(task)  # refuses a task without a worked session now, not after the model build
+        if self.resume is not None and not (self.resume / CONFIG).is_file():
+            raise ValueError(
+                f"--resume {self.resume}: no {CONFIG} there: it stopped before its first phase, start anew"
+            )
         if self.reuse is not None and not any((self.reuse / name).is_file() for name in (CONFIG, "summary.json")):
             raise ValueError(f"--reuse {self.reuse}: no {CONFIG} there (a run folder of python -m eval demo has one)")
         if self.upstream == "vllm" and self.script is not None:
@@ -282,7 +293,8 @@ class Args:
             )
 
 
-CONFIG = "config.json"  # a run's model and flags, written before its first phase: what --reuse checks
+CONFIG = "config.json"  # a run's model and flags, written before its first phase: what --reuse and --resume check
+DONE = ".done"  # RUN/.done/<phase>.json: the phases a run finished, each with its record (what --resume keeps)
 SECRET = "proxy.secret"  # the run's key-signing secret (addon polar_secret_file), mode 0600
 REUSED = ("teacher", "base", "base-heldout")  # what --reuse copies: these run folders and their captures
 # The flags the teacher sessions and the base stage depend on: a run reusing them must have the same values.
@@ -360,22 +372,58 @@ def command_line(cmd: list[str | Path]) -> str:
 
 
 class Loop:
-    """Runs the phases in order: prints a header, the command, its output, what it wrote, and the time."""
+    """Runs the phases in order: prints a header, the command, its output, what it wrote, and the time. A phase
+    given a ``key`` leaves RUN/.done/<key>.json when it ends, so a resumed run keeps it (``kept``)."""
 
     def __init__(self, run: Path, total: int) -> None:
         self.run, self.total, self.n = run, total, 0
         self.phases: list[dict[str, Any]] = []
+
+    def kept(self, key: str) -> bool:
+        """Whether an earlier attempt finished phase ``key``: then its record joins this run's, and it is not run."""
+        marker = self.run / DONE / f"{key}.json"
+        if not marker.is_file():
+            return False
+        self.phases.append(json.loads(marker.read_text()))
+        console.print(f"[dim]{key}: finished by an earlier attempt ({shown(marker)}), kept[/]", highlight=False)
+        return True
+
+    def set_aside(self, paths: list[Path]) -> None:
+        """Move what an unfinished attempt of a phase wrote to RUN/attempts/<n>/ (never deleted: captures stay
+        readable), so the phase starts over in empty folders and no two attempts' outputs mix."""
+        there = [p for p in paths if p.exists()]
+        if not there:
+            return
+        for n in itertools.count(1):
+            aside = self.run / "attempts" / str(n)
+            if not aside.exists():
+                break
+        for path in there:
+            target = aside / path.relative_to(self.run)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            path.rename(target)
+        console.print(f"[yellow]an earlier attempt's partial outputs moved to {shown(aside)}[/]", highlight=False)
 
     def header(self, title: str) -> float:
         self.n += 1
         console.rule(f"[bold][{self.n}/{self.total}] {title}")
         return time.monotonic()
 
-    def done(self, title: str, started: float, wrote: list[Path], commands: list[str]) -> None:
+    def done(self, title: str, started: float, wrote: list[Path], commands: list[str], key: str | None = None) -> None:
         seconds = time.monotonic() - started
-        self.phases.append(
-            {"phase": title, "seconds": round(seconds, 1), "commands": commands, "wrote": [shown(p) for p in wrote]}
-        )
+        record = {
+            "phase": title,
+            "seconds": round(seconds, 1),
+            "commands": commands,
+            "wrote": [shown(p) for p in wrote],
+        }
+        self.phases.append(record)
+        if key is not None:
+            (self.run / DONE).mkdir(exist_ok=True)
+            marker = self.run / DONE / f"{key}.json"
+            partial = marker.with_suffix(".partial")
+            partial.write_text(json.dumps(record, indent=1) + "\n")
+            partial.rename(marker)  # a marker is whole or absent
         for path in wrote:
             console.print(f"[green]wrote[/] {shown(path)}", highlight=False)
         console.print(f"[dim]{title}: {seconds:.0f} s[/]")
@@ -513,6 +561,10 @@ class Stages:
         """Roll out each group of (tasks, samples) side by side, then grade them all and reconstruct the first."""
         run = self.loop.run
         started = self.loop.header(f"{title}: {self.config.harness} as model {model!r}")
+        if self.loop.kept(stage):
+            return
+        used = [f for f, (tasks, _) in groups.items() if tasks]
+        self.loop.set_aside([p for f in used for p in (run / f, run / "captures" / f)])
         cmds: list[list[str | Path]] = []
         logs: list[Path | None] = []
         wrote: list[Path] = []
@@ -555,6 +607,7 @@ class Stages:
                 *(run / f / "trajectories.parquet" for f in folders),
             ],
             [command_line(c).replace(server.url, "http://127.0.0.1:8000") for c in [*cmds, *score, *rebuild]],
+            key=stage,
         )
 
 
@@ -649,6 +702,32 @@ def new_run_folder(parent: Path) -> Path:
     raise AssertionError("unreachable")
 
 
+def resumed_folder(config: Args) -> Path:
+    """``--resume``'s run folder, checked: the same flags as its config.json (but --resume and --out), and no
+    process of an earlier attempt still running in it (a killed demo leaves its phases' processes: stopped here)."""
+    assert config.resume is not None
+    run = config.resume.resolve()
+    saved = json.loads((run / CONFIG).read_text())["config"]
+    mine = json.loads(json.dumps(_plain(config)))
+    differ = [k for k in mine if k not in ("resume", "out") and saved.get(k) != mine[k]]
+    if differ:
+        shown_differ = ", ".join(f"--{k.replace('_', '-')} {saved.get(k)!r} there, {mine[k]!r} here" for k in differ)
+        raise EvalError(f"--resume {shown(run)}: resume with the flags it ran with ({shown_differ})")
+    ours = {os.getpid(), *(p.pid for p in psutil.Process().parents())}  # this command, and what launched it
+    left = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        words = proc.info["cmdline"] or ()  # a word naming the folder or a path in it, not RUN-2's
+        if proc.pid not in ours and any(f"{run}/" in word or word.endswith(str(run)) for word in words):
+            left.append(proc)
+    for proc in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(left, timeout=10)
+    if left:
+        console.print(f"[yellow]stopped {len(left)} process(es) an earlier attempt left running in {shown(run)}[/]")
+    return run
+
+
 def demo(config: Args) -> int:
     started = time.monotonic()
     # Where sessions run: asked for, or (auto) docker where a daemon answers; refused before any folder is made.
@@ -657,10 +736,11 @@ def demo(config: Args) -> int:
         raise EvalError(f"--runtime docker: {unavailable}")
     # Every process below inherits this: torch spawning one thread per core on a shared box slows it many times.
     os.environ["OMP_NUM_THREADS"] = str(config.threads)
-    run = new_run_folder(config.out)
+    run = resumed_folder(config) if config.resume is not None else new_run_folder(config.out)
     # Every task of the run, in one SWE-bench JSONL that each rollout reads (toy and generated tasks alike).
     every = (*config.teach, *config.tasks, *config.pool, *config.heldout)
-    save_tasks(load_instances(every, config.family_seed), run / TASKS)
+    if config.resume is None:
+        save_tasks(load_instances(every, config.family_seed), run / TASKS)
     try_docker = config.runtime != "local" and unavailable is None
     loop = Loop(run, total=6 + 2 * config.rounds - (config.reuse is not None) + try_docker)
     console.print(
@@ -675,23 +755,42 @@ def demo(config: Args) -> int:
     t0 = loop.header("model")
     model = (config.model or build_smollm2(ROOT / "models" / "smollm2")).resolve()
     loop.done("model", t0, [model], [f"python -m eval models smollm2 {shown(model)}"] if not config.model else [])
-    (run / CONFIG).write_text(
-        json.dumps({"model": str(model), "config": _plain(config), "runtime": runtime.record(config.runtime)}, indent=1)
-    )
-    new_secret_file(run / SECRET)
+    if config.resume is None:
+        (run / CONFIG).write_text(
+            json.dumps(
+                {"model": str(model), "config": _plain(config), "runtime": runtime.record(config.runtime)}, indent=1
+            )
+        )
+        new_secret_file(run / SECRET)
+    else:
+        saved = json.loads((run / CONFIG).read_text())
+        if saved["model"] != str(model):
+            raise EvalError(f"--resume {shown(run)}: it ran model {saved['model']}, this command {shown(model)}")
+        if saved["runtime"]["name"] != runtime.name:  # one run's sessions all run in one place
+            raise EvalError(
+                f"--resume {shown(run)}: its sessions ran with --runtime {saved['runtime']['name']}, and this "
+                f"attempt's would run with {runtime.name} ({runtime.why})"
+            )
     stages = Stages(loop, config, model, runtime.name)
     adapters = run / "adapters"
 
     if config.reuse is not None:
         t0 = loop.header(f"teacher sessions and base stage: copied from {shown(config.reuse)}")
-        wrote = reuse_phases(config.reuse.resolve(), run, config, model)
-        loop.done("reused", t0, wrote, [f"copied from {shown(config.reuse.resolve())}"])
+        if not loop.kept("reused"):
+            loop.set_aside([p for f in REUSED for p in (run / f, run / "captures" / f)])
+            wrote = reuse_phases(config.reuse.resolve(), run, config, model)
+            loop.done("reused", t0, wrote, [f"copied from {shown(config.reuse.resolve())}"], key="reused")
     else:
         # Teacher sessions: worked solutions replayed through the harness and the proxy, captured like any rollout.
         teacher_script = run / "teacher-script.json"
         teacher_script.write_text(json.dumps({f"*-{t}-*": teacher_messages(t) for t in config.teach}, indent=1))
-        with ReferenceServer(model, log=run / "logs" / "teacher-server.log", script=teacher_script) as teacher:
-            stages.run(teacher, "teacher", model.name, {"teacher": (config.teach, 1)}, "teacher sessions (scripted)")
+        if (run / DONE / "teacher.json").is_file():  # kept by --resume: no server to start
+            loop.header("teacher sessions (scripted)")
+            loop.kept("teacher")
+        else:
+            with ReferenceServer(model, log=run / "logs" / "teacher-server.log", script=teacher_script) as teacher:
+                title = "teacher sessions (scripted)"
+                stages.run(teacher, "teacher", model.name, {"teacher": (config.teach, 1)}, title)
 
     sft = accelerate(
         "sft.py",
@@ -724,8 +823,10 @@ def demo(config: Args) -> int:
         "--no-gradient-checkpointing",
     )
     t0 = loop.header("SFT on the teacher sessions")
-    run_processes(sft)
-    loop.done("train sft", t0, [adapters / "sft"], [command_line(sft)])
+    if not loop.kept("train-sft"):
+        loop.set_aside([adapters / "sft"])
+        run_processes(sft)
+        loop.done("train sft", t0, [adapters / "sft"], [command_line(sft)], key="train-sft")
 
     server: ReferenceServer | VllmServer
     if config.upstream == "vllm":
@@ -745,7 +846,8 @@ def demo(config: Args) -> int:
                 previous = stage
                 continue
             if stage != "base":
-                if stage != "sft":  # GRPO on the previous stage's rollouts, continuing its adapter
+                if stage != "sft" and not (run / DONE / f"train-{stage}.json").is_file():
+                    # GRPO on the previous stage's rollouts, continuing its adapter
                     assert previous is not None  # base, the first stage, trains nothing
                     data, groups = run / previous / "trajectories.parquet", len(config.tasks)
                     if config.groups is not None:  # dynamic sampling: the round's groups with a signal
@@ -781,8 +883,14 @@ def demo(config: Args) -> int:
                         "--no-gradient-checkpointing",
                     )
                     t0 = loop.header(f"GRPO round {k - 1} on the {previous} rollouts")
+                    loop.set_aside([adapters / stage])
                     run_processes(grpo)
-                    loop.done(f"train {stage}", t0, [adapters / stage], [command_line(grpo)])
+                    loop.done(f"train {stage}", t0, [adapters / stage], [command_line(grpo)], key=f"train-{stage}")
+                elif stage != "sft":
+                    loop.header(f"GRPO round {k - 1} on the {previous} rollouts")
+                    loop.kept(f"train-{stage}")
+                # Loaded whether or not its rollouts are kept: a resumed run's server starts without adapters, and
+                # the next round's dynamic sampling draws with this one.
                 load_adapter(server.url, stage, adapters / stage)
             name = model.name if stage == "base" else stage
             heldout_samples = config.heldout_samples_at(stage)

@@ -1,6 +1,8 @@
 """The demo's settings refuse what cannot run, before any model is built."""
 
 import datetime
+import json
+import subprocess
 import sys
 
 import pytest
@@ -143,3 +145,26 @@ def test_demos_started_in_the_same_second_get_folders_of_their_own(tmp_path, mon
     runs = [loop.new_run_folder(tmp_path / "runs") for _ in range(3)]
     assert [r.name for r in runs] == ["20261204T024739Z", "20261204T024739Z-2", "20261204T024739Z-3"]
     assert all((r / "logs").is_dir() for r in runs) and sorted(runs)[-1] == runs[-1]  # the newest sorts last
+
+
+def test_resume_needs_a_started_run_with_the_same_flags_and_stops_only_its_processes(tmp_path):
+    with pytest.raises(ValueError, match=r"no config\.json"):
+        Args(resume=tmp_path)
+    run, other = tmp_path / "20261207T000000Z", tmp_path / "20261207T000000Z-2"
+    run.mkdir()
+    other.mkdir()
+    (run / loop.CONFIG).write_text(json.dumps({"config": loop._plain(Args(samples=4))}))
+    with pytest.raises(EvalError, match=r"resume with the flags it ran with \(--samples 4 there, 3 here\)"):
+        loop.resumed_folder(Args(samples=3, resume=run))
+    left = [
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", f"--out={folder}/sft"])
+        for folder in (run, other)
+    ]
+    try:
+        assert loop.resumed_folder(Args(samples=4, resume=run, out=tmp_path / "elsewhere")) == run
+        assert left[0].poll() is not None  # an earlier attempt's, stopped (and reaped by resumed_folder)
+        assert left[1].poll() is None  # RUN-2's is another run's
+    finally:
+        for proc in left:
+            proc.kill()
+            proc.wait()
