@@ -3,9 +3,10 @@
     python -m eval report RUN_DIR [RUN_DIR ...] [--k 1 5 10] [--plot PATH] [--against OTHER_RUN_DIR]
 
 Reads RUN_DIR/rewards.parquet of every run (``python -m eval score RUN_DIR``); runs of one harness pool their
-samples per task (several rounds of a loop are compared with ``--against``, not pooled: the report says so). pass@k is the unbiased estimator of Chen et al. 2021 (https://arxiv.org/abs/2107.03374, §2.1):
-with n graded samples of a task of which c resolved, pass@k = 1 - C(n-c, k) / C(n, k); overall = the mean over
-the tasks that have at least k samples (a task with fewer has no pass@k). Prints a table per harness and task
+samples per task (two rounds of a loop are compared with ``--against``, not pooled: the report says so). pass@k
+is the unbiased estimator of Chen et al. 2021 (https://arxiv.org/abs/2107.03374, §2.1): with n graded samples of
+a task of which c resolved, pass@k = 1 - C(n-c, k) / C(n, k); overall = the mean over the tasks
+that have at least k samples (a task with fewer has no pass@k). Prints a table per harness and task
 and an overall one; writes the numbers to ``report.json`` and a grouped bar chart (overall pass@k by harness)
 to ``report.svg``, both in the first RUN_DIR. The chart is plain SVG: matplotlib is not a dependency.
 
