@@ -563,8 +563,8 @@ class Stages:
         started = self.loop.header(f"{title}: {self.config.harness} as model {model!r}")
         if self.loop.kept(stage):
             return
-        used = [f for f, (tasks, _) in groups.items() if tasks]
-        self.loop.set_aside([p for f in used for p in (run / f, run / "captures" / f)])
+        folders = [f for f, (tasks, _) in groups.items() if tasks]
+        self.loop.set_aside([p for f in folders for p in (run / f, run / "captures" / f)])
         cmds: list[list[str | Path]] = []
         logs: list[Path | None] = []
         wrote: list[Path] = []
@@ -584,7 +584,6 @@ class Stages:
                 logs.append(None if i == 0 else run / "logs" / f"rollout-{folder}.log")  # one live progress bar
                 wrote.append(run / folder / "sessions.parquet")
             run_processes(*cmds, logs=logs)
-        folders = [f for f, (tasks, _) in groups.items() if tasks]
         score = [self.score_cmd(run / f) for f in folders]
         # Every split's sessions are reconstructed: training reads the first, the stats of each show what the
         # harness sent (calls, prompt lengths, chain breaks) on tasks it trains on and on tasks it never saw.
