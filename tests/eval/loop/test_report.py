@@ -1,6 +1,6 @@
 """The demo's note says what its numbers can and cannot show."""
 
-from eval.demo import report
+from eval.loop import report
 
 
 def numbers(timed_out: int) -> dict:

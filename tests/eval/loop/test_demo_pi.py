@@ -1,5 +1,5 @@
-"""eval/demo/loop.py through Pi as shipped (its own system prompt, tools and requests) on the tiny model, with the
-scripted replies of tests/eval/demo/test_demo.py: every phase runs, SFT gets traces at Pi's prompt length, and the
+"""The loop's cpu preset through Pi as shipped (its own system prompt, tools and requests) on the tiny model, with the
+scripted replies of tests/eval/loop/test_demo.py: every phase runs, SFT gets traces at Pi's prompt length, and the
 reconstruction stats of each split show Pi's calls and prompt tokens."""
 
 import json
@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from tests.eval.demo.test_demo import (
+from tests.eval.loop.test_demo import (
     DEMO_TIMEOUT,
     HELDOUT_SAMPLES,
     OTHER_HELDOUT_SAMPLES,
@@ -22,14 +22,14 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.timeout(DEMO_TIMEOUT)
 def test_the_loop_runs_through_pi_and_its_stats_show_pis_prompts(harness_bin, tiny_model_dir, tmp_path):
-    cmd = [*demo_command(tiny_model_dir, tmp_path), "--harness", "pi"]
+    cmd = [*demo_command(tiny_model_dir, tmp_path), "--set", "harness=pi"]
     done = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     (run,) = (tmp_path / "runs").iterdir()
     summary = json.loads((run / "summary.json").read_text())
     assert summary["order"] == STAGES and summary["config"]["harness"] == "pi"
 
-    # --max-len followed the harness: Pi's traces are longer than mini's 1024 tokens, and SFT trained on them.
+    # max_len followed the harness: Pi's traces are longer than mini's 1024 tokens, and SFT trained on them.
     (sft,) = [p for p in summary["phases"] if p["phase"] == "train sft"]
     assert "--max-len 3072" in sft["commands"][0]
     teacher = summary["stages"]["teacher"]

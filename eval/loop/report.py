@@ -1,12 +1,13 @@
-"""Numbers and views of a demo run folder (``python -m eval demo``): pass rates per stage with intervals, the tests
-of each stage's gain, training metrics, report.html, a trace's tokens.
+"""Numbers and views of a loop run folder (``python -m eval loop``, ``make demo``): pass rates per stage with
+intervals, the tests of each stage's gain, throughput, training metrics, report.html, TensorBoard scalars, a trace's
+tokens.
 
-    python -m eval demo-report [RUN]               # recount summary.json and report.html after rerunning a phase
+    python -m eval loop-report [RUN]               # recount summary.json, report.html, TensorBoard after a rerun
 
-    from eval.demo import report as demo_report
-    run = demo_report.find_run()                   # the newest runs/demo/<time>/, or find_run("runs/demo/...")
-    numbers = demo_report.summary(run)             # what summary.json holds, recomputed from the files
-    html = demo_report.trace_html(row, tokenizer)  # a trace's response tokens coloured by loss mask, drift marked
+    from eval.loop import report as loop_report
+    run = loop_report.find_run()                   # the newest runs/demo/<time>/, or find_run("runs/loop/...")
+    numbers = loop_report.summary(run)             # what summary.json holds, recomputed from the files
+    html = loop_report.trace_html(row, tokenizer)  # a trace's response tokens coloured by loss mask, drift marked
 
 Statistics (eval/stats.py): a stage's pass@1 is resolved / graded sessions (temperature 1) with a 95 % Wilson
 score interval, which stays inside [0, 1] and is honest at 0 or n successes where the normal one is not. Two
@@ -16,14 +17,18 @@ one sample a task); a gain is called "improved" only at that test's p < 0.05. Fi
 counts (and Newcombe's interval) stays beside it: it treats the stages as independent samples, so it ignores
 that a task easy for one stage tends to be easy for the other, and has less power.
 
-eval/demo/loop.py writes summary.json and report.html with these; the notebooks in notebooks/ call them and read the
-run's files, nothing else. Charts are plain SVG, like eval/report.py's, so the demo needs no plotting library.
+eval/loop/run.py writes summary.json, report.html and the TensorBoard scalars with these after each stage; the
+notebooks in notebooks/ call them and read the run's files, nothing else. Charts are plain SVG, like eval/report.py's,
+so report.html needs no plotting library.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 import json
+import shutil
 from html import escape
 from pathlib import Path
 from typing import Any
@@ -210,7 +215,7 @@ def train_numbers(run: Path, adapter: str) -> dict[str, Any]:
     if "data/groups" in data:  # GRPO
         groups = int(data["data/groups"])
         out |= {"groups": groups, "groups_with_signal": round(groups * (1 - data["reward/zero_std_frac"]))}
-    drawn = run / f"{adapter}-sampling.json"  # dynamic sampling (eval/demo/sampling.py, demo --groups)
+    drawn = run / f"{adapter}-sampling.json"  # dynamic sampling (eval/loop/sampling.py, the config's groups)
     if drawn.is_file():
         out["sampling"] = json.loads(drawn.read_text())
     keys = ("step", *CHARTED, "loss/nll")
@@ -230,6 +235,10 @@ def summary(run: Path) -> dict[str, Any]:
             ("sft", grpo[-1], "GRPO's own gain: last round against the SFT stage"),
             ("base", grpo[-1], "the whole loop: last round against the base model"),
         ]
+    order = [n for n in names if n != "teacher"]
+    for before, after in itertools.pairwise(order):  # each round against the stage it started from
+        if after.startswith("grpo") and not any(p[:2] == (before, after) for p in pairs):
+            pairs.append((before, after, f"round {after[4:]}: against the {before} stage it started from"))
     pairs = [p for p in pairs if p[0] in stages]
     tests = [compare(stages[a], stages[b], what) for a, b, what in pairs]
     tests += [
@@ -264,7 +273,7 @@ def _delta(test: dict[str, Any]) -> str:
 
 
 def runtime_sentence(runtime: dict[str, Any]) -> str:
-    """Where the run's sessions ran (summary.json's ``runtime``, eval/demo/loop.py ``Chosen``)."""
+    """Where the run's sessions ran (summary.json's ``runtime``, eval/loop/run.py ``Chosen``)."""
     if runtime["sandboxed"]:
         return f"Sessions ran sandboxed (--runtime {runtime['name']}, graded in fresh containers): {runtime['why']}."
     return f"Sessions ran UNSANDBOXED on this machine (--runtime {runtime['name']}): {runtime['why']}."
@@ -598,10 +607,59 @@ def write_summary(run: Path, record: dict[str, Any]) -> dict[str, Any]:
     """summary.json and report.html of ``run``: ``record`` (phases with commands and seconds, config, model) plus
     every number recounted from the files, and the note. Returns what summary.json holds."""
     numbers = summary(run)
-    full = {**record, **numbers, "note": note({**record, **numbers})}
+    full = {**record, **numbers, "throughput": throughput(numbers, record.get("phases", ()))}
+    full["note"] = note(full)
     (run / "summary.json").write_text(json.dumps(full, indent=1) + "\n")
     (run / "report.html").write_text(report_html(full))
     return full
+
+
+def throughput(numbers: dict[str, Any], phases: Any) -> dict[str, dict[str, float]]:
+    """Per stage: sessions an hour and sampled tokens a second over the stage's wall time (its phase record, named
+    after its folder: rollouts of both splits, grading, reconstruction)."""
+    seconds = {p["phase"]: p["seconds"] for p in phases}
+    out = {}
+    for name, stage in numbers["stages"].items():
+        if seconds.get(name):
+            heldout = stage["heldout"] or {}
+            sessions = stage["sessions"] + heldout.get("graded", 0)
+            tokens = stage["tokens_trainable"] + heldout.get("tokens_trainable", 0)
+            out[name] = {
+                "seconds": seconds[name],
+                "sessions_per_hour": round(sessions * 3600 / seconds[name], 1),
+                "served_tokens_per_s": round(tokens / seconds[name], 1),
+            }
+    return out
+
+
+def write_scalars(run: Path, numbers: dict[str, Any]) -> Path:
+    """TensorBoard scalars of the stages so far (step = the stage's place in the run: base 0, sft 1, grpo<k> ...):
+    pass rates per split, sessions an hour, served tokens/s, chain breaks, and each training phase's last step.
+    Rewritten whole each time (a new RUN/tensorboard/ swapped in): they are recounted from the run's files."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    target = run / "tensorboard"
+    fresh = run / ".tensorboard.partial"
+    shutil.rmtree(fresh, ignore_errors=True)
+    with contextlib.closing(SummaryWriter(str(fresh))) as writer:
+        for step, name in enumerate(numbers["order"]):
+            stage = numbers["stages"][name]
+            scalars = {
+                "pass_rate/trained": stage["pass_rate"],
+                "pass_rate/heldout": (stage["heldout"] or {}).get("pass_rate"),
+                "sessions/per_hour": numbers["throughput"].get(name, {}).get("sessions_per_hour"),
+                "serving/tokens_per_s": numbers["throughput"].get(name, {}).get("served_tokens_per_s"),
+                "traces/chain_breaks": sum(stage["chain_breaks"].values()),
+                "traces/dropped_calls": sum(stage["dropped_calls"].values()),
+            }
+            last = (numbers["train"].get(name, {}).get("per_step") or [{}])[-1]
+            scalars |= {f"train/{k}": v for k, v in last.items() if k != "step"}
+            for key, value in scalars.items():
+                if isinstance(value, int | float):
+                    writer.add_scalar(key, value, step)
+    shutil.rmtree(target, ignore_errors=True)
+    fresh.rename(target)
+    return target
 
 
 def summary_table(numbers: dict[str, Any]) -> Table:
@@ -625,10 +683,11 @@ def verdict_table(numbers: dict[str, Any]) -> Table:
 
 @dataclasses.dataclass
 class Args:
-    """Recount RUN's numbers (the newest run by default), rewrite summary.json and report.html, print the table."""
+    """Recount RUN's numbers (the newest demo run by default), rewrite summary.json, report.html and the TensorBoard
+    scalars, print the table."""
 
     run: tyro.conf.Positional[Path | None] = None
-    """A demo run folder, runs/demo/<time>/; default: the newest."""
+    """A loop run folder (RUN, the config's out); default: the newest demo run, runs/demo/<time>/."""
 
 
 def main(args: Args) -> None:
@@ -637,8 +696,9 @@ def main(args: Args) -> None:
     full = write_summary(
         run, {k: record[k] for k in ("model", "config", "runtime", "phases", "seconds") if k in record}
     )
+    write_scalars(run, full)
     console = Console()
     console.print(summary_table(full))
     console.print(verdict_table(full))
     console.print(full["note"], highlight=False)
-    print(f"wrote {run / 'summary.json'} and {run / 'report.html'}")
+    print(f"wrote {run / 'summary.json'}, {run / 'report.html'} and {run / 'tensorboard'}")

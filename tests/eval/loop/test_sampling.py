@@ -1,10 +1,10 @@
-"""Dynamic sampling's selection (eval/demo/sampling.py) with a fake rollout: which groups a GRPO round keeps, how many
+"""Dynamic sampling's selection (eval/loop/sampling.py) with a fake rollout: which groups a GRPO round keeps, how many
 tasks it draws, and what it records; and the demo's --groups, --max-draws and --pool settings."""
 
 import pytest
 
-from eval.demo import sampling
-from eval.demo.loop import Args
+from eval.loop import sampling
+from eval.loop.config import Config
 from eval.tasks import family as taskgen
 
 MIXED, SOLVED, FAILED = (1.0, 0.0, 1.0, 0.0), (1.0,) * 4, (0.0,) * 4
@@ -83,12 +83,12 @@ def test_the_draw_limit_stops_a_round_short_of_its_groups():
 
 
 def test_the_demo_draws_from_the_training_tasks_sft_did_not_see():
-    assert Args(groups=None).pool == ()  # off: no pool
-    args = Args()  # on by default: --groups 8
+    assert Config(groups=None).pool == ()  # off: no pool
+    args = Config()  # on by default: --groups 8
     train = {t["instance_id"] for t in taskgen.generate(0)["train"]}
     assert set(args.pool) == train - set(args.teach) and set(args.tasks) <= set(args.pool)
-    with pytest.raises(ValueError, match="--max-draws must be >= 1"):
-        Args(groups=16, max_draws=0)
+    with pytest.raises(ValueError, match="max_draws: must be >= 1"):
+        Config(groups=16, max_draws=0)
     heldout = taskgen.generate(0)["heldout"][0]["instance_id"]
-    with pytest.raises(ValueError, match=r"a held-out task cannot be trained on \(--tasks, --pool\)"):
-        Args(groups=4, pool=(heldout,))
+    with pytest.raises(ValueError, match=r"a held-out task cannot be trained on \(tasks, pool\)"):
+        Config(groups=4, pool=(heldout,))

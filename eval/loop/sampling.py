@@ -5,7 +5,7 @@ the round has ``groups`` groups with mixed rewards, or ``max_draws`` tasks were 
 
 The selection is pure (no rollouts here): :func:`dynamic_sample` gets the first batch's rewards (the previous
 stage's own rollouts of its trained tasks, already made by the same policy) and a ``roll`` callable that rolls out
-a batch of task ids and returns each task's rewards; eval/demo/loop.py passes one that runs a stage's rollout,
+a batch of task ids and returns each task's rewards; eval/loop/run.py passes one that runs a stage's rollout,
 grading and reconstruction into RUN/<round>-draw<b>/. The record (:meth:`Sampled.record`) goes to
 RUN/<round>-sampling.json and from there into summary.json and report.html.
 """
