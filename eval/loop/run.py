@@ -898,6 +898,10 @@ def main(args: Args) -> int:
     except KeyboardInterrupt:
         console.print("\n[yellow]interrupted: the phases and services were stopped; the same command resumes[/]")
         return 130
+    except SystemExit as e:
+        if e.code == 128 + signal.SIGTERM:
+            console.print("\n[yellow]terminated: the phases and services were stopped; the same command resumes[/]")
+        raise
     except PhaseFailed as e:
         console.print(
             f"[red]a phase failed[/] ({e}); its output is above, service logs in the run folder's logs/; the same "

@@ -241,8 +241,14 @@ def command_line(process: psutil.Process) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(DEMO_TIMEOUT)
-def test_ctrl_c_stops_every_phase_and_service(tiny_model_dir, tmp_path):
-    # Its own process group, signalled as a whole: what a terminal's Ctrl-C does to a foreground job.
+@pytest.mark.parametrize(
+    ("signum", "group", "status", "said"),
+    [
+        (signal.SIGINT, True, 130, "interrupted"),  # a terminal's Ctrl-C: the foreground job's whole group
+        (signal.SIGTERM, False, 143, "terminated"),  # kill PID, as a scheduler stops a job: the loop alone
+    ],
+)
+def test_ctrl_c_or_sigterm_stops_every_phase_and_service(tiny_model_dir, tmp_path, signum, group, status, said):
     demo = subprocess.Popen(
         demo_command(tiny_model_dir, tmp_path),
         cwd=ROOT,
@@ -264,9 +270,12 @@ def test_ctrl_c_stops_every_phase_and_service(tiny_model_dir, tmp_path):
         time.sleep(0.2)
     commands = [command_line(p) for p in running]
     assert any("eval rollout" in c for c in commands), commands  # the rollout is under way
-    os.killpg(demo.pid, signal.SIGINT)
+    if group:
+        os.killpg(demo.pid, signum)
+    else:
+        os.kill(demo.pid, signum)
     out, _ = demo.communicate(timeout=60)
-    assert demo.returncode == 130, out[-3000:]
-    assert "interrupted" in out
+    assert demo.returncode == status, out[-3000:]
+    assert f"{said}: the phases and services were stopped; the same command resumes" in out
     time.sleep(1)
     assert [p for p in running if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
