@@ -76,7 +76,7 @@ from eval.sessions.runtime import RUNTIMES
 from eval.tasks import family as taskgen
 from eval.tasks.load import FAMILY, TOY_DIR, TOY_REPO_OWNER, load_tasks, save_tasks
 from eval.upstream.models import build_smollm2
-from eval.upstream.vllm import VllmServer
+from eval.upstream.vllm import VllmServer, models_answer
 from reconstruct import schema
 
 __doc__ = f"{__doc__}\nConfig keys by section, with their defaults (eval/loop/config.py):\n{reference()}"
@@ -582,13 +582,7 @@ class UrlServer:
                     command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
                 )
         deadline = time.monotonic() + (timeout if command else 10)
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
+        while not models_answer(self.url):
             if self.proc is not None and self.proc.poll() is not None:
                 raise EvalError(f"server_command exited with {self.proc.returncode} (log {shown(log)})")
             if time.monotonic() > deadline:
@@ -678,12 +672,9 @@ def run_loop(config: Config, resume: Path | None) -> int:
     model = resolve_model(config)
     loop.done("model", t0, [model] if isinstance(model, Path) else [], [] if config.model else
               [f"python -m eval models smollm2 {shown(model)}"])  # fmt: skip
+    record = {"model": str(model), "config": _plain(config), "runtime": runtime.record(config.runtime)}
     if not again:
-        (run / CONFIG).write_text(
-            json.dumps(
-                {"model": str(model), "config": _plain(config), "runtime": runtime.record(config.runtime)}, indent=1
-            )
-        )
+        (run / CONFIG).write_text(json.dumps(record, indent=1))
         if config.secret_file is None:
             new_secret_file(run / SECRET)
     else:
@@ -697,7 +688,6 @@ def run_loop(config: Config, resume: Path | None) -> int:
             )
     stages = Stages(loop, config, model, runtime.name)
     adapters = run / "adapters"
-    record = {"model": str(model), "config": _plain(config), "runtime": runtime.record(config.runtime)}
 
     if config.reuse is not None:
         t0 = loop.header(f"teacher sessions and base stage: copied from {shown(config.reuse)}")

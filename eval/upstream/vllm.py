@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -26,6 +25,17 @@ from eval.sessions.procs import Service, free_port
 SERVED_NAME = "smollm2"
 # vLLM's context: small, so a harness's oversize max_tokens meets the context-length refusal (addon/clamp.py).
 MAX_MODEL_LEN = 2048
+
+
+def models_answer(url: str) -> bool:
+    """Whether the OpenAI-compatible server at ``url`` answers ``GET /v1/models`` (directly, never through a proxy
+    the environment names): how a vLLM or SGLang server says it is ready."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(f"{url}/v1/models", timeout=5) as response:
+            return bool(response.status == 200)
+    except OSError:  # URLError is one
+        return False
 
 
 class VllmServer(Service):
@@ -61,16 +71,11 @@ class VllmServer(Service):
 
     def _wait_until_ready(self, timeout: float) -> None:
         deadline = time.time() + timeout
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"exited with {self.proc.returncode}")
-            try:
-                with opener.open(f"{self.url}/v1/models", timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except (OSError, urllib.error.URLError):
-                pass
+            if models_answer(self.url):
+                return
             time.sleep(1.0)
         raise TimeoutError(f"/v1/models did not answer within {timeout:.0f} s")
 
