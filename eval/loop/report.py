@@ -223,23 +223,33 @@ def train_numbers(run: Path, adapter: str) -> dict[str, Any]:
     return out
 
 
+def compared(order: list[str]) -> list[tuple[str, str, str]]:
+    """The stages each test compares, (before, after, what), in the order the report lists them: SFT's gain, GRPO's
+    own and the whole loop's, then each round against the stage it started from, the SFT stage and the base model."""
+    grpo = [n for n in order if n.startswith("grpo")]
+    pairs = [("base", "sft", "SFT's gain: after SFT against the base model")] if "sft" in order else []
+    if grpo:
+        pairs += [
+            ("sft", grpo[-1], "GRPO's own gain: last round against the SFT stage"),
+            ("base", grpo[-1], "the whole loop: last round against the base model"),
+        ]
+    for before, after in itertools.pairwise(order):
+        if not after.startswith("grpo"):
+            continue
+        starts = ((before, f"the {before} stage it started from"), ("sft", "the SFT stage"), ("base", "the base model"))
+        for start, what in starts:
+            if start in order and start != after and not any(p[:2] == (start, after) for p in pairs):
+                pairs.append((start, after, f"round {after[4:]}: against {what}"))
+    return [p for p in pairs if p[0] in order]
+
+
 def summary(run: Path) -> dict[str, Any]:
     """Every number of summary.json, from the run's files."""
     names = stages_of(run)
     stages = {name: stage_numbers(run, name) for name in names}
     measured = [stages[n] for n in names if n != "teacher"]
     grpo = [n for n in names if n.startswith("grpo")]
-    pairs = [("base", "sft", "SFT's gain: after SFT against the base model")] if "sft" in stages else []
-    if grpo:
-        pairs += [
-            ("sft", grpo[-1], "GRPO's own gain: last round against the SFT stage"),
-            ("base", grpo[-1], "the whole loop: last round against the base model"),
-        ]
-    order = [n for n in names if n != "teacher"]
-    for before, after in itertools.pairwise(order):  # each round against the stage it started from
-        if after.startswith("grpo") and not any(p[:2] == (before, after) for p in pairs):
-            pairs.append((before, after, f"round {after[4:]}: against the {before} stage it started from"))
-    pairs = [p for p in pairs if p[0] in stages]
+    pairs = compared([n for n in names if n != "teacher"])
     tests = [compare(stages[a], stages[b], what) for a, b, what in pairs]
     tests += [
         compare(stages[a]["heldout"], stages[b]["heldout"], what, "held-out")

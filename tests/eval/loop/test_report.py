@@ -79,3 +79,20 @@ def test_a_round_with_dynamic_sampling_says_what_it_drew():
         "11 informative groups in 48 tasks drawn (192 sessions, 3 batch(es), at most 64 of a pool of 64), pool pass "
         "rate 23%; trained on 11 of 16 groups asked (the draw limit came first)"
     )
+
+
+def test_every_round_is_tested_against_the_stage_it_started_from_the_sft_stage_and_the_base_model():
+    pairs = [p[:2] for p in report.compared(["base", "sft", "grpo1", "grpo2", "grpo3"])]
+    assert pairs[:3] == [("base", "sft"), ("sft", "grpo3"), ("base", "grpo3")]  # the headline gains first
+    assert sorted(pairs[3:]) == sorted(
+        [
+            ("sft", "grpo1"),
+            ("base", "grpo1"),
+            ("grpo1", "grpo2"),
+            ("sft", "grpo2"),
+            ("base", "grpo2"),
+            ("grpo2", "grpo3"),
+        ]
+    )
+    without_sft = [p[:2] for p in report.compared(["base", "grpo1", "grpo2"])]  # sft = "none": GRPO from the base
+    assert without_sft == [("base", "grpo2"), ("base", "grpo1"), ("grpo1", "grpo2")]
