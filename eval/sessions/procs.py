@@ -272,12 +272,13 @@ class ReferenceServer(Service):
         flavor: str = "vllm",
         max_model_len: int | None = None,
         dtype: str = "float32",
+        share_prefix: bool = True,
     ) -> None:
         # float32 unless told: the tests compare the log-probs served with the trainer's to fp32 tolerances; the
         # demo passes auto (bf16 where this CPU runs it faster, eval/upstream/server.py).
         port = free_port()
         cmd = [sys.executable, "-m", "eval", "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
-        cmd += ["--dtype", dtype]
+        cmd += ["--dtype", dtype] + ([] if share_prefix else ["--no-share-prefix"])
         cmd += ["--seed", str(seed)] + (["--script", str(script)] if script else [])
         cmd += ["--flavor", flavor] + (["--max-model-len", str(max_model_len)] if max_model_len else [])
         if lora:

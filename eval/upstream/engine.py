@@ -9,16 +9,17 @@ Each ``Piece`` is one generated token with its log-prob entry and the parsed eve
 server streams a chunk per token. Log-probs are vLLM's default raw ones: log_softmax of the model's logits, before
 temperature and top-p. With ``forced`` token ids the model is teacher-forced instead of sampled (scripted replies).
 
-Scheduling. Requests queue for a background thread that owns the model. It prefills each newcomer alone (one
-forward over its prompt), then merges that KV cache into the running batch of the same adapter, left-padding the
-shorter side: one copy per join. Each decode step is then one forward for all rows of one adapter (None: the base
-model), with an attention mask over the padding and explicit position ids per row, because Llama/Qwen3 do not infer
-positions from the mask; batches of different adapters take turns, step by step. A batch's KV keeps room for a
-quarter more tokens (at least 64), so a step writes its column in place instead of copying the whole cache. Every
-row keeps its own sampling settings and random generator. Rows leave when they finish or when their consumer stops
-reading (a stop string, a client that hung up): the batch is compacted before its next step. At most
-``max_batch`` rows run; further requests wait. An error in a forward pass reaches the requests of that forward as
-an exception; the scheduler carries on with the others.
+Scheduling. Requests queue for a background thread that owns the model. It prefills each newcomer alone (one forward
+over its prompt), then merges that KV cache into the running batch of the same adapter, left-padding the shorter
+side: one copy per join. The tokens all of a batch's rows begin with (a harness's system prompt and tools) keep
+their KV once for the batch, and each decode step's attention reads it once for all rows (``_Batch``). Each decode
+step is then one forward for all rows of one adapter (None: the base model), with an attention mask over the padding
+and explicit position ids per row, because Llama/Qwen3 do not infer positions from the mask; batches of different
+adapters take turns, step by step. A batch's KV keeps room for a quarter more tokens (at least 64), so a step writes
+its column in place instead of copying the whole cache. Every row keeps its own sampling settings and random
+generator. Rows leave when they finish or when their consumer stops reading (a stop string, a client that hung up):
+the batch is compacted before its next step. At most ``max_batch`` rows run; further requests wait. An error in a
+forward pass reaches the requests of that forward as an exception; the scheduler carries on with the others.
 
 Linear attention (Qwen3.5, the seed's family: three Gated DeltaNet layers to one of full attention). Such a layer
 keeps no KV per token but two fixed-size states per row, the causal convolution's last inputs and the recurrent
@@ -172,21 +173,25 @@ class _GrowingLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transform
         self.keys, self.values = self._keys[:, :, : n + t], self._values[:, :, : n + t]
         return self.keys, self.values
 
-    def stacked(self, theirs: _Layer, length: int) -> _Layer:
-        """These rows' KV and another row's (keys, values: (1, kv_heads, T, head_dim)), each left-padded with zeros
+    def stacked(self, theirs: _Layer, length: int, moved: _Layer | None = None) -> _Layer:
+        """These rows' KV, after ``moved`` (keys, values: (1, kv_heads, M, head_dim), columns leaving the shared
+        prefix, which every row now holds), and another row's (1, kv_heads, T, head_dim), each left-padded with zeros
         to ``length`` tokens, which the batch's mask hides."""
-        keys, values = theirs
-        return _stack_left_padded(self.keys, keys, length, 2), _stack_left_padded(self.values, values, length, 2)
+        (keys, values), (my_keys, my_values) = theirs, (self.keys, self.values)
+        if moved is not None:
+            rows = my_keys.shape[0]
+            my_keys = torch.cat([moved[0].expand(rows, -1, -1, -1), my_keys], 2)
+            my_values = torch.cat([moved[1].expand(rows, -1, -1, -1), my_values], 2)
+        return _stack_left_padded(my_keys, keys, length, 2), _stack_left_padded(my_values, values, length, 2)
 
     def selected(self, index: torch.Tensor, start: int) -> _Layer:
         """The KV of the rows at ``index``, from column ``start`` on."""
         return self.keys.index_select(0, index)[:, :, start:], self.values.index_select(0, index)[:, :, start:]
 
-    def row(self, i: int, n: int) -> _Layer:
-        """A copy of row ``i``'s KV, its last ``n`` columns (the padding is on the left): not a view, which would keep
-        the whole batch's tensors alive."""
-        copy = {"memory_format": torch.contiguous_format}
-        return self.keys[i : i + 1, :, -n:].clone(**copy), self.values[i : i + 1, :, -n:].clone(**copy)
+    def row(self, i: int, columns: torch.Tensor) -> _Layer:
+        """A copy of row ``i``'s KV at ``columns`` (bool, (L,)): not a view, which would keep the whole batch's
+        tensors alive."""
+        return self.keys[i : i + 1, :, columns].contiguous(), self.values[i : i + 1, :, columns].contiguous()
 
 
 class _StateLayer(LinearAttentionLayer):
@@ -208,8 +213,9 @@ class _StateLayer(LinearAttentionLayer):
         self.has_previous_state[0] = True  # what the model checks to continue from them rather than start afresh
         self.conv_kernel_size[0] = conv.shape[-1]
 
-    def stacked(self, theirs: _Layer, length: int) -> _Layer:
-        """These rows' states and another row's; ``length`` is for full attention: states have no token dim."""
+    def stacked(self, theirs: _Layer, length: int, moved: _Layer | None = None) -> _Layer:
+        """These rows' states and another row's; ``length`` and ``moved`` are for full attention: states have no token
+        dim."""
         conv, recurrent = _tensors(self)
         return torch.cat([conv, theirs[0]]), torch.cat([recurrent, theirs[1]])
 
@@ -218,8 +224,8 @@ class _StateLayer(LinearAttentionLayer):
         conv, recurrent = _tensors(self)
         return conv.index_select(0, index), recurrent.index_select(0, index)
 
-    def row(self, i: int, n: int) -> _Layer:
-        """A copy of row ``i``'s states, those after all its ``n`` tokens."""
+    def row(self, i: int, columns: torch.Tensor) -> _Layer:
+        """A copy of row ``i``'s states, those after all its tokens; ``columns`` is for full attention."""
         conv, recurrent = _tensors(self)
         return conv[i : i + 1].clone(), recurrent[i : i + 1].clone()
 
@@ -248,38 +254,74 @@ class _OutputLayer(torch.nn.Module):
 
 
 class _Batch:
-    """The running rows of one adapter: one cache, its full-attention KV left-padded to a common length, with the
-    padding mask; linear-attention states one per row."""
+    """The running rows of one adapter: one cache, with the padding mask; linear-attention states one per row.
 
-    def __init__(self, seq: _Sequence, cache: Any) -> None:
+    The leading tokens all rows share (an agent's system prompt and tools: ~1,600 tokens for each Pi session) have
+    their full-attention KV held once, in ``shared``; the layers of ``cache``, which the model extends, hold each row's
+    columns after them, left-padded to a common length. A decode step's attention (``serving_attention``) reads the
+    shared KV once for all rows instead of once per row: at 16 rows that read was most of a step's time. A row that
+    joins sharing fewer tokens moves the columns past the common ones out of ``shared`` and into every row."""
+
+    def __init__(self, seq: _Sequence, cache: Any, share: bool) -> None:
         self.rows = [seq]
+        self.model = seq.model  # whose KV ``shared`` is: rows of a later load of the adapter share none of it
+        n = cache.get_seq_length()
+        self.shared_ids = seq.prompt_ids[: n - 1] if share else []  # at least one column stays the row's own
+        keep = len(self.shared_ids)
+        self.shared: list[_Layer | None] = [  # copies: the prefill's KV may be a prefix cache entry's
+            None
+            if isinstance(x, LinearAttentionLayer)
+            else (x.keys[:, :, :keep].clone(), x.values[:, :, :keep].clone())
+            for x in cache.layers
+        ]
         # the cache the model reads holds these layers, replaced in place as rows come and go
         self.layers = [
-            _StateLayer(*_tensors(x)) if isinstance(x, LinearAttentionLayer) else _GrowingLayer(x.keys, x.values)
+            _StateLayer(*_tensors(x))
+            if isinstance(x, LinearAttentionLayer)
+            else _GrowingLayer(x.keys[:, :, keep:], x.values[:, :, keep:])
             for x in cache.layers
         ]
         self.cache = Cache(layers=[*self.layers])
-        self.mask = torch.ones(1, cache.get_seq_length(), dtype=torch.long)  # (B, L): 0 on left padding
+        self.mask = torch.ones(1, n - keep, dtype=torch.long)  # (B, L): 0 on left padding
 
     def join(self, seq: _Sequence, cache: Any) -> None:
         """Appends a prefilled row (its cache: batch of 1). Every tensor is built before any is replaced, so a
         failure leaves the batch as it was."""
-        length = max(self.mask.shape[1], cache.get_seq_length())
-        stacked = [
-            mine.stacked(_tensors(theirs), length) for mine, theirs in zip(self.layers, cache.layers, strict=True)
-        ]
-        ones = torch.ones(1, cache.get_seq_length(), dtype=torch.long)  # (1, T)
-        mask = _stack_left_padded(self.mask, ones, length, 1)
+        n = cache.get_seq_length()
+        same = seq.model == self.model
+        keep = min(_common_prefix(torch.tensor(self.shared_ids), torch.tensor(seq.prompt_ids)), n - 1) if same else 0
+        moved = len(self.shared_ids) - keep  # columns that leave the shared KV for every row's own
+        length = max(self.mask.shape[1] + moved, n - keep)
+        stacked = []
+        for mine, theirs, shared in zip(self.layers, cache.layers, self.shared, strict=True):
+            if shared is None:
+                stacked.append(mine.stacked(_tensors(theirs), length))
+            else:
+                own = (theirs.keys[:, :, keep:], theirs.values[:, :, keep:])
+                leaving = (shared[0][:, :, keep:], shared[1][:, :, keep:]) if moved else None
+                stacked.append(mine.stacked(own, length, leaving))
+        mask = F.pad(self.mask, (moved, 0), value=1)  # (B, L + moved)
+        ones = torch.ones(1, n - keep, dtype=torch.long)  # (1, T - keep)
+        mask = _stack_left_padded(mask, ones, length, 1)
         for layer, tensors in zip(self.layers, stacked, strict=True):
             layer.replace(*tensors)  # B + 1 rows
+        self.shared = [None if x is None else (x[0][:, :, :keep], x[1][:, :, :keep]) for x in self.shared]
+        self.shared_ids = self.shared_ids[:keep]
         self.mask = mask  # (B + 1, length)
         self.rows.append(seq)
 
     def row_cache(self, i: int) -> tuple[int, list[_Layer]]:
-        """Row ``i``'s token count n (all it was fed) and a copy of its cache per layer: its KV, the last n columns,
-        or its states, which follow those n tokens."""
-        n = int(self.mask[i].sum())
-        return n, [layer.row(i, n) for layer in self.layers]
+        """Row ``i``'s token count n (all it was fed) and a copy of its cache per layer: its KV, the shared columns
+        and its own, or its states, which follow those n tokens."""
+        columns = self.mask[i].bool()  # (L,)
+        n = len(self.shared_ids) + int(columns.sum())
+        layers = []
+        for layer, shared in zip(self.layers, self.shared, strict=True):
+            own = layer.row(i, columns)
+            layers.append(
+                own if shared is None else (torch.cat([shared[0], own[0]], 2), torch.cat([shared[1], own[1]], 2))
+            )
+        return n, layers
 
     def keep(self, rows: list[int]) -> None:
         """Keeps only the rows at these indices, then drops the padding columns that no remaining row needs."""
@@ -432,6 +474,17 @@ class PrefixCache:
 
 
 ATTENTION = "polar_serving"
+_decoding = threading.local()  # .shared: the running batch's shared KV per layer, during its decode step's forward
+
+
+@contextlib.contextmanager
+def _attending_to(shared: list[_Layer | None]) -> Generator[None, None, None]:
+    """Within: decode steps' attention also reads these shared columns (``_Batch.shared``, per layer)."""
+    _decoding.shared = shared
+    try:
+        yield
+    finally:
+        _decoding.shared = None
 
 
 def serving_attention(
@@ -444,22 +497,37 @@ def serving_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' sdpa, except for decode steps of reduced-precision weights on the CPU: there the one query of
-    each row runs as two matmuls over its key/value head, the softmax in fp32. SmolLM2 in bf16 at a batch of 16
-    over ~1,600 tokens: SDPA's CPU kernel took 3.6 ms a layer (64 % of the step) where fp32 took 0.8 ms; the
-    matmuls take ~1 ms (tests/bench/server.py)."""
+    """transformers' sdpa, except for the scheduler's decode steps on the CPU: there the one query of each row runs as
+    matmuls over its key/value head, the softmax in fp32, and reads the KV the batch's rows share once for all rows
+    (``_Batch``) before each row's own. SmolLM2 at a batch of 16 over a shared ~1,600-token prompt: a fp32 step took
+    296 ms reading that KV once per row, 90 ms over a 100-token prompt. In bf16, SDPA's CPU kernel also took 3.6 ms a
+    layer (64 % of the step) where the matmuls take ~1 ms (tests/bench/server.py)."""
     rows, heads, length, dim = query.shape
-    if length != 1 or query.dtype == torch.float32 or query.device.type != "cpu" or dropout:
+    shared_layers = getattr(_decoding, "shared", None)
+    layer = getattr(module, "layer_idx", None)
+    shared = shared_layers[layer] if shared_layers is not None and layer is not None else None
+    if length != 1 or query.device.type != "cpu" or dropout or (shared is None and query.dtype == torch.float32):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     kv_heads = key.shape[1]
-    grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim)  # (B, H_kv, G, D): query heads share a KV head
-    scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * (dim**-0.5 if scaling is None else scaling)
-    if attention_mask is not None:  # (B, 1, 1, L): bool (True attends) or additive
+    groups = heads // kv_heads
+    grouped = query.reshape(rows, kv_heads, groups, dim)  # (B, H_kv, G, D): query heads share a KV head
+    scores = torch.matmul(grouped, key.transpose(-1, -2))  # (B, H_kv, G, L)
+    if shared is not None:  # every row's queries at once against each KV head's shared columns: read once
+        across = grouped.transpose(0, 1).reshape(kv_heads, rows * groups, dim)  # (H_kv, B * G, D)
+        shared_scores = torch.matmul(across, shared[0][0].transpose(-1, -2))  # (H_kv, B * G, S)
+        scores = torch.cat([shared_scores.reshape(kv_heads, rows, groups, -1).transpose(0, 1), scores], -1)
+    scores = scores.float() * (dim**-0.5 if scaling is None else scaling)  # (B, H_kv, G, S + L)
+    if attention_mask is not None:  # (B, 1, 1, L): bool (True attends) or additive; the shared columns all attend
+        own = scores[..., scores.shape[-1] - key.shape[2] :]
         if attention_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attention_mask, float("-inf"))
+            own.masked_fill_(~attention_mask, float("-inf"))
         else:
-            scores = scores + attention_mask
-    out = torch.matmul(scores.softmax(-1).to(value.dtype), value)  # (B, H_kv, G, D)
+            own += attention_mask
+    probs = scores.softmax(-1).to(value.dtype)
+    out = torch.matmul(probs[..., probs.shape[-1] - key.shape[2] :], value)  # (B, H_kv, G, D)
+    if shared is not None:
+        across = probs[..., : -key.shape[2]].transpose(0, 1).reshape(kv_heads, rows * groups, -1)  # (H_kv, B * G, S)
+        out += torch.matmul(across, shared[1][0]).reshape(kv_heads, rows, groups, dim).transpose(0, 1)
     return out.reshape(rows, 1, heads, dim), None
 
 
@@ -506,6 +574,7 @@ class Engine:
         max_batch: int = 32,
         prefix_cache_tokens: int = 65536,
         dtype: str = "float32",
+        share_prefix: bool = True,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.cache_utils import get_layer_types_and_kwargs
@@ -546,6 +615,7 @@ class Engine:
         eos = {vocab[t] for t in ("<|im_end|>", "<|endoftext|>") if t in vocab}
         self.eos_ids = eos | {self.tokenizer.eos_token_id}
         self.max_batch = max_batch
+        self.share_prefix = share_prefix  # False: every row holds and reads its own copy of the common tokens' KV
         self.adapters: dict[str, str] = {}  # LoRA adapter name -> the folder it was loaded from
         self._loads: dict[str | None, int] = {}  # adapter name -> loads and unloads so far: a new count retires its KV
         self.prefix_cache = PrefixCache(prefix_cache_tokens, self.linear_layers)  # the scheduler thread's alone
@@ -702,7 +772,7 @@ class Engine:
             if adapter in self._batches:
                 self._batches[adapter].join(seq, cache)
             else:
-                self._batches[adapter] = _Batch(seq, cache)
+                self._batches[adapter] = _Batch(seq, cache, self.share_prefix)
         except Exception as e:  # noqa: BLE001 - whatever it is, the request gets it instead of hanging
             seq.replies.put(e)
 
@@ -715,7 +785,7 @@ class Engine:
                 input_ids = torch.tensor([[seq.last_token] for seq in batch.rows])  # (B, 1)
                 position_ids = torch.tensor([[seq.position] for seq in batch.rows])  # (B, 1)
                 mask = F.pad(batch.mask, (0, 1), value=1)  # (B, L + 1)
-                with self._model_lock:
+                with self._model_lock, _attending_to(batch.shared):
                     # transformers 5.24 renamed past_key_values to cache (the old name warns until 5.40).
                     out = self._forward(
                         adapter,

@@ -107,6 +107,10 @@ class Args:
     """Automatic prefix caching (vLLM's --enable-prefix-caching): at most this many tokens of earlier prompts' and
     answers' KV are kept, so a prompt that starts the same way prefills only the rest; 0 turns it off. Memory: 2 x
     layers x kv_heads x head_dim x 4 bytes per token, 45 KiB for SmolLM2-135M (65536 tokens: 2.8 GiB)."""
+    share_prefix: bool = True
+    """Hold the KV of the tokens all running requests begin with (an agent's system prompt and tools) once, and
+    read it once per decode step for all of them (vLLM's cascade attention; --no-share-prefix: each request's own
+    copy, the baseline of tests/bench/server.py). Outputs are the same to float noise."""
     max_body_mb: int = 8
     """Largest request body, MiB; a larger one is answered 413 before it is read. Its models' contexts are at most
     32K tokens, under 1 MB of request JSON even with an agent's tool schemas (Claude Code's first request is 50-87 KB,
@@ -125,6 +129,7 @@ class Server(ThreadingHTTPServer):
             max_batch=config.max_batch,
             prefix_cache_tokens=config.prefix_cache_tokens,
             dtype=config.dtype,
+            share_prefix=config.share_prefix,
         )
         if config.max_model_len is not None:
             if not 0 < config.max_model_len <= self.engine.max_len:

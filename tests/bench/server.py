@@ -27,6 +27,7 @@ is a result, not a failure).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import platform
@@ -225,9 +226,10 @@ def run_rounds(cfg: Config, console: Console, tmp: Path) -> dict[str, Any]:
 
 
 def pi_shaped(cfg: Config, console: Console, tmp: Path) -> list[list[str]]:
-    """Per --dtype: a server of its own, then ``pi_requests`` requests at once that share a ~1,600-token system
-    prompt (Pi's shape, cached after a warm-up request) and differ in their question; greedy, at most ``pi_tokens``
-    each. Rows: dtype, wall seconds, tokens, aggregate tokens/s, the engine's log line."""
+    """Per --dtype, with the shared prompt's KV held once and with a copy per request (``--no-share-prefix``, the
+    baseline): a server of its own, then ``pi_requests`` requests at once that share a ~1,600-token system prompt
+    (Pi's shape, cached after a warm-up request) and differ in their question; greedy, at most ``pi_tokens`` each.
+    Rows: dtype, shared or not, wall seconds, tokens, aggregate tokens/s, the engine's log line."""
     system = " ".join(f"Rule {i}: keep the tests green, edit only what the task names." for i in range(120))
     chats = [
         [{"role": "system", "content": system}, {"role": "user", "content": f"Write a long story about {topic}."}]
@@ -235,15 +237,19 @@ def pi_shaped(cfg: Config, console: Console, tmp: Path) -> list[list[str]]:
     ]
     topics = [c[1]["content"] for c in chats]
     rows = []
-    for dtype in cfg.dtypes:
-        with ReferenceServer(cfg.model, log=tmp / f"server-{dtype}.log", dtype=dtype) as server:
+    for dtype, share in itertools.product(cfg.dtypes, (True, False)):
+        log = tmp / f"server-{dtype}-{share}.log"
+        with ReferenceServer(cfg.model, log=log, dtype=dtype, share_prefix=share) as server:
             concurrently(server.url, topics[:1], cfg.pi_tokens, chats[:1])  # the shared prompt into the cache
             answers, seconds = concurrently(server.url, topics, cfg.pi_tokens, chats)
             engine = re.search(r"^engine: .*$", server.output(), re.MULTILINE)
         tokens = sum(len(a.token_ids) for a in answers)
-        console.print(f"  Pi-shaped, {dtype}: {cfg.pi_requests} requests, {tokens} tokens in {seconds:.1f} s")
+        held = "once" if share else "per request"
+        console.print(
+            f"  Pi-shaped, {dtype}, prompt KV {held}: {cfg.pi_requests} requests, {tokens} tokens in {seconds:.1f} s"
+        )
         line = engine.group(0) if engine else "-"
-        rows.append([dtype, f"{seconds:.1f}", str(tokens), f"{tokens / seconds:.1f}", line])
+        rows.append([dtype, held, f"{seconds:.1f}", str(tokens), f"{tokens / seconds:.1f}", line])
     return rows
 
 
@@ -373,12 +379,13 @@ def main(cfg: Config) -> int:
     note_lines = notes(cfg, result, time.monotonic() - t0, (load0, os.getloadavg()[0]))
     note_lines.append(
         f"Pi-shaped (third table): {cfg.pi_requests} greedy requests at once sharing a ~1,600-token system prompt "
-        f"(cached by a warm-up request), at most {cfg.pi_tokens} tokens each, one server per --dtype; the CPU: "
+        f"(cached by a warm-up request), at most {cfg.pi_tokens} tokens each, one server per --dtype, with the "
+        f"prompt's KV held once for all (the default) and per request (--no-share-prefix); the CPU: "
         f"{cpu_name()}."
     )
     out = cfg.out if cfg.out.is_absolute() else ROOT / cfg.out
     data = {**result, "targets": verdicts, "pi_shaped": by_dtype}
-    head = ["--dtype", "wall s", "tokens", "tokens/s", "engine"]
+    head = ["--dtype", "shared prompt KV", "wall s", "tokens", "tokens/s", "engine"]
     shown = [*tables(summary, verdicts, cfg.concurrency), *([(head, by_dtype)] if by_dtype else [])]
     report.write_results(console, out, cfg, shown, note_lines, data)
     console.print(f"wrote {out} and {out.with_suffix('.json')} in {time.monotonic() - t0:.0f} s")

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from eval.upstream.engine import Detokenizer, Engine, Sampling, generate, serving_attention
 from eval.upstream.toolparse import Content, ToolCall
@@ -72,6 +73,30 @@ def test_a_bf16_decode_step_attends_as_fp32_sdpa_does_and_fp32_takes_sdpa_itself
     padded[0, ..., :4] = True  # the padding, attended: row 0 changes, so the mask was applied
     assert (serving_attention(module, *bf16, padded, scaling=0.25)[0][0] - out[0]).abs().max() > 1e-2
     assert torch.equal(serving_attention(module, query, key, value, mask, scaling=0.25)[0], expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_step_reads_the_shared_columns_as_if_each_row_held_them(dtype, monkeypatch):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from eval.upstream import engine as engine_module
+
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.layer_idx = 3, 1
+    g = torch.Generator().manual_seed(0)
+    shapes = ((3, 6, 1, 16), (1, 2, 5, 16), (1, 2, 5, 16), (3, 2, 9, 16), (3, 2, 9, 16))
+    query, shared_k, shared_v, key, value = (torch.randn(shape, generator=g) for shape in shapes)
+    mask = torch.ones(3, 1, 1, 9, dtype=torch.bool)
+    mask[0, ..., :4] = False  # row 0's own columns left-padded by 4
+    whole = [torch.cat([s.expand(3, -1, -1, -1), x], 2) for s, x in ((shared_k, key), (shared_v, value))]
+    expected, _ = sdpa_attention_forward(module, query, *whole, F.pad(mask, (5, 0), value=True), scaling=0.25)
+    inputs = [t.to(dtype) for t in (query, key, value)]
+    with engine_module._attending_to([None, (shared_k.to(dtype), shared_v.to(dtype))]):
+        out, _ = serving_attention(module, *inputs, mask, scaling=0.25)
+    assert out.dtype is dtype and out.shape == expected.shape
+    assert (out.float() - expected).abs().max() < (1e-5 if dtype is torch.float32 else 2e-2)
+    alone, _ = serving_attention(module, *inputs, mask, scaling=0.25)  # outside a decode step: no shared columns
+    assert (alone.float() - expected).abs().max() > 1e-2
 
 
 def test_bf16_weights_serve_fp32_log_probs_near_the_fp32_ones(tiny_model_dir, engine):

@@ -185,6 +185,42 @@ def test_forced_tokens_come_back_exactly(engine, gate):
         assert_same(b, s)
 
 
+def test_rows_sharing_a_system_prompt_hold_its_kv_once_and_get_their_own_output(engine, gate):
+    """The rows' common leading tokens are held once (``_Batch.shared``); a row that shares fewer of them moves the
+    rest into every row's own columns."""
+    system = f"<|im_start|>system\n{' '.join(WORDS * 6)}<|im_end|>\n"
+
+    def chat(system: str, n_words: int) -> list[int]:
+        return engine.encode(
+            f"{system}<|im_start|>user\n{' '.join(WORDS[:n_words])}<|im_end|>\n<|im_start|>assistant\n"
+        )
+
+    sampling = Sampling(max_tokens=20, temperature=0, top_logprobs=2)
+    first = [(chat(system, n), sampling, None) for n in (2, 7, 12)]
+    joiner = (chat("<|im_start|>system\nBe brief.<|im_end|>\n", 3), sampling, None)
+    singles = [alone(engine, *r) for r in [*first, joiner]]
+    common = len(engine.encode(f"{system}<|im_start|>user\n one"))  # through the first word all three share
+
+    gate.hold()
+    streams = [engine.steps(*r) for r in first]
+    gate.allow(3 + 4)  # three prefills, four decode steps
+    heads = [[next(s) for _ in range(5)] for s in streams]
+    gate.wait_until_stopped()
+    batch = engine._batches[None]
+    assert len(batch.shared_ids) >= common - 1 > 60 and batch.mask.shape[1] < 40  # the system prompt is shared
+    shared_keys = next(x for x in batch.shared if x is not None)[0]
+    assert shared_keys.shape[:3] == (1, engine.model.config.num_key_value_heads, len(batch.shared_ids))
+    joined = engine.steps(*joiner)
+    gate.allow(2)  # its prefill and the first step of all four
+    joined_head = next(joined)
+    gate.wait_until_stopped()
+    assert len(batch.rows) == 4 and len(batch.shared_ids) < 6  # only "<|im_start|>system\n" is common now
+    gate.open()
+    batched = [h + list(s) for h, s in zip(heads, streams, strict=True)] + [[joined_head, *joined]]
+    for b, s in zip(batched, singles, strict=True):
+        assert_same(b, s)
+
+
 @pytest.fixture(scope="module")
 def lora_engine(tiny_model_dir, tmp_path_factory) -> Engine:
     """An engine serving a LoRA adapter with random (not zero) B matrices, so it changes the model's log-probs."""
