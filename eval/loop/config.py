@@ -148,11 +148,12 @@ class Config:
     """With no heldout: held-out sessions of the compared stages, heldout_samples per task (320 = 64 tasks x 5: the
     paired test's power for +9 points is >= 80 %, docs/demo.md "Power")."""
     heldout_every: int = 1
-    """Measure the held-out tasks at the base and SFT stages, every heldout_every-th GRPO round, and the last."""
+    """Measure the held-out tasks at the base and SFT stages, every heldout_every-th GRPO round, and the last; 0: at
+    no GRPO round (choosing GRPO's settings on the trained split without looking at the held-out one)."""
     # ---- [sessions]
-    harness: Name = "mini"
-    """Harness preset (eval/harness/presets.py): mini (eval/harness/mini.py), or an npm CLI: pi, codex, claude-code,
-    qwen-code, gemini."""
+    harness: Name = "pi"
+    """Harness preset (eval/harness/presets.py): an npm CLI as shipped, pi (the demo's), codex, claude-code, qwen-code,
+    gemini, or mini (eval/harness/mini.py, ours: short prompts, the fast option)."""
     runtime: RuntimeChoice = "auto"
     """Where each session runs (eval/sessions/runtime.py). auto: docker when a Docker daemon answers (DOCKER_HOST) and
     the run's task images build, else local, saying why; docker: each session in its task's image with no network but
@@ -248,6 +249,8 @@ class Config:
     def heldout_samples_at(self, stage: str) -> int:
         """Held-out sessions per task at ``stage``: heldout_samples at the compared stages, 0 at a round the cadence
         skips, other_heldout_samples elsewhere."""
+        if stage.startswith("grpo") and not self.heldout_every:
+            return 0
         if stage in self.compared():
             return self.heldout_samples
         if stage.startswith("grpo") and int(stage[4:]) % self.heldout_every:
@@ -256,12 +259,14 @@ class Config:
 
     def __post_init__(self) -> None:
         at_least_one = ("samples", "heldout_samples", "concurrency", "threads", "max_turns", "sft_steps", "grpo_steps",
-                        "teach_count", "grpo_task_count", "heldout_sessions", "heldout_every", "max_draws",
+                        "teach_count", "grpo_task_count", "heldout_sessions", "max_draws",
                         "max_body_mb")  # fmt: skip
         if low := [k for k in at_least_one if getattr(self, k) < 1]:
             raise ValueError(f"{', '.join(low)}: must be >= 1")
-        if self.other_heldout_samples < 0 or self.rounds < 0 or (self.groups is not None and self.groups < 1):
-            raise ValueError("other_heldout_samples and rounds must be >= 0, groups >= 1 or none")
+        if min(self.other_heldout_samples, self.rounds, self.heldout_every) < 0 or (
+            self.groups is not None and self.groups < 1
+        ):
+            raise ValueError("other_heldout_samples, rounds and heldout_every must be >= 0, groups >= 1 or none")
         if self.samples < 2:
             raise ValueError("samples must be >= 2: GRPO compares the samples of a task with each other")
         if self.runtime not in RUNTIME_CHOICES:

@@ -2,7 +2,7 @@
 serve, each stage measured, every phase resumable.
 
     python -m eval loop [CONFIG] [--set KEY=VALUE ...] [--resume RUN]
-    make demo [HARNESS=pi] [SEED=1] [ROUNDS=2] ... [RESUME=runs/demo/<time>]     (the cpu preset)
+    make demo [HARNESS=mini] [SEED=1] [ROUNDS=2] ... [RESUME=runs/demo/<time>]   (the cpu preset)
 
 CONFIG is a TOML file (eval/loop/config.py; its keys by section are listed at the end of this help) or a preset's
 name: ``cpu``, the demo (SmolLM2-135M built offline, the generated task family, a teacher derived from gold patches,
@@ -103,6 +103,10 @@ DONE = ".done"  # RUN/.done/<phase>.json: the phases a run finished, each with i
 RUN_ENV = "POLAR_LOOP_RUN"  # the run folder, in the environment of every process a loop starts
 SECRET = "proxy.secret"  # the run's key-signing secret (addon polar_secret_file), mode 0600
 REUSED = ("teacher", "base", "base-heldout")  # what reuse copies: these run folders and their captures
+REUSED_SFT = (
+    "sft",
+    "sft-heldout",
+)  # and, where SFT's settings are the same too, the SFT stage, its adapter and markers
 # The flags the teacher sessions and the base stage depend on: a run reusing them must have the same values.
 # --runtime is not one: it changes where a session runs, not what the harness and the model do in it.
 REUSE_KEYS = (
@@ -110,11 +114,18 @@ REUSE_KEYS = (
     "max_tokens", "max_turns", "session_timeout", "concurrency", "upstream", "script", "seed", "sft", "train_source",
     "heldout_source", "served_model",
 )  # fmt: skip
+# The flags SFT's adapter depends on besides those: a run with the same values reuses its SFT stage too.
+REUSE_SFT_KEYS = (
+    "sft_trajectories", "sft_steps", "sft_lr", "lora_r", "max_len", "micro_batch_tokens", "share_prefix", "launcher",
+    "train_args",
+)  # fmt: skip
 
 
 def reuse_phases(source: Path, run: Path, config: Config, model: str) -> list[Path]:
     """Copy ``source``'s teacher sessions and base stage (run folders and captures) into ``run``; refuses a source
-    whose model or flags (REUSE_KEYS) differ from this run's, or which did not finish those phases."""
+    whose model or flags (REUSE_KEYS) differ from this run's, or which did not finish those phases. Where SFT's
+    flags (REUSE_SFT_KEYS) are the same too and the source finished its SFT stage, that stage, the SFT adapter and
+    their done markers come too, so this run starts at GRPO: how GRPO's settings are compared on one SFT."""
     # summary.json holds the same two members (a run finished before config.json was written has only it).
     saved = json.loads(next(source / n for n in (CONFIG, "summary.json") if (source / n).is_file()).read_text())
     mine = json.loads(json.dumps(_plain(config)))
@@ -128,10 +139,22 @@ def reuse_phases(source: Path, run: Path, config: Config, model: str) -> list[Pa
     missing = [f for f in REUSED if not (source / f / "trajectories.parquet").is_file()]
     if missing:
         raise EvalError(f"reuse {source}: {', '.join(missing)} not finished there (no trajectories.parquet)")
-    for folder in REUSED:
+    folders = list(REUSED)
+    markers = [source / DONE / f"{key}.json" for key in ("train-sft", "sft")]
+    same_sft = config.sft != "none" and all(saved["config"].get(k) == mine[k] for k in REUSE_SFT_KEYS)
+    if same_sft and all(m.is_file() for m in markers):
+        folders += REUSED_SFT
+    for folder in folders:
         shutil.copytree(source / folder, run / folder)
         shutil.copytree(source / "captures" / folder, run / "captures" / folder)
-    return [run / f for f in REUSED]
+    if len(folders) == len(REUSED):
+        return [run / f for f in folders]
+    shutil.copytree(source / "adapters" / "sft", run / "adapters" / "sft")
+    (run / DONE).mkdir(parents=True, exist_ok=True)
+    for marker in markers:  # last: a marker says its phase's outputs are whole
+        record = {**json.loads(marker.read_text()), "copied_from": str(source)}
+        (run / DONE / marker.name).write_text(json.dumps(record, indent=1) + "\n")
+    return [*(run / f for f in folders), run / "adapters" / "sft"]
 
 
 def load_instances(instance_ids: tuple[str, ...], family_seed: int) -> list[dict[str, Any]]:
@@ -191,8 +214,14 @@ class Loop:
         marker = self.run / DONE / f"{key}.json"
         if not marker.is_file():
             return False
-        self.phases.append(json.loads(marker.read_text()))
-        console.print(f"[dim]{key}: finished by an earlier attempt ({shown(marker)}), kept[/]", highlight=False)
+        record = json.loads(marker.read_text())
+        self.phases.append(record)
+        by = (
+            f"copied from {shown(Path(record['copied_from']))}"
+            if "copied_from" in record
+            else "finished by an earlier attempt"
+        )
+        console.print(f"[dim]{key}: {by} ({shown(marker)}), kept[/]", highlight=False)
         return True
 
     def set_aside(self, paths: list[Path]) -> None:
@@ -690,9 +719,12 @@ def run_loop(config: Config, resume: Path | None) -> int:
     adapters = run / "adapters"
 
     if config.reuse is not None:
-        t0 = loop.header(f"teacher sessions and base stage: copied from {shown(config.reuse)}")
+        t0 = loop.header(
+            f"teacher sessions, base stage and (with the same SFT settings) SFT: copied from {shown(config.reuse)}"
+        )
         if not loop.kept("reused"):
-            loop.set_aside([p for f in REUSED for p in (run / f, run / "captures" / f)])
+            folders = (*REUSED, *REUSED_SFT)
+            loop.set_aside([p for f in folders for p in (run / f, run / "captures" / f)] + [adapters / "sft"])
             wrote = reuse_phases(config.reuse.resolve(), run, config, str(model))
             loop.done("reused", t0, wrote, [f"copied from {shown(config.reuse.resolve())}"], key="reused")
     elif config.sft == "teacher":

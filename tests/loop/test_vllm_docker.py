@@ -37,6 +37,7 @@ def loop_command(tmp: Path) -> list[str]:
         "upstream": "vllm",
         "vllm_python": VLLM_PYTHON,
         "runtime": "docker",
+        "harness": "mini",
         "teach": four,  # SFT on their worked sessions, so that GRPO's groups on the same tasks can differ
         "tasks": four,
         "heldout": [t["instance_id"] for t in family["heldout"][:2]],

@@ -43,6 +43,8 @@ def test_by_default_it_teaches_and_trains_on_the_training_split_and_measures_the
         ("grpo2", 5),
     ]
     assert Config(rounds=0).heldout_samples_at("sft") == 5 and Config(rounds=3).heldout_samples_at("grpo2") == 1
+    unseen = Config(rounds=2, heldout_every=0)  # GRPO's settings chosen without a look at the held-out split
+    assert [unseen.heldout_samples_at(s) for s in ("base", "sft", "grpo1", "grpo2")] == [1, 5, 0, 0]
 
 
 def test_a_generated_training_task_cannot_be_held_out():
@@ -196,7 +198,7 @@ def write(tmp_path, text: str):
 def test_the_cpu_preset_is_the_demo_and_every_key_is_typed():
     config = load(preset("cpu"))
     assert preset("cpu") == PRESET_DIR / "cpu.toml"
-    assert (config.harness, config.sft, config.rounds, config.groups, config.samples) == ("mini", "teacher", 2, 8, 4)
+    assert (config.harness, config.sft, config.rounds, config.groups, config.samples) == ("pi", "teacher", 2, 8, 4)
     assert config.train_args == ("--no-gradient-checkpointing",) and str(config.out) == "runs/demo/{time}"
     assert config == Config(train_args=("--no-gradient-checkpointing",), out=config.out)  # the defaults, but those
 

@@ -46,6 +46,7 @@ DEMO_TIMEOUT = 1200
 
 
 FAST = {  # the cpu preset's keys this test changes: one toy task of each kind, scripted replies, one round
+    "harness": "mini",  # the script's replies are mini's commands (tests/eval/loop/test_demo_pi.py runs Pi)
     "teach": [TEACH],
     "tasks": [TASK],
     "heldout": [HELDOUT],
@@ -208,14 +209,21 @@ def test_reuse_copies_the_teacher_and_base_stage_only_from_a_run_with_the_same_i
     keys = {**FAST, "model": model, "script": saved["config"]["script"]}  # the script the run replayed, not a copy
     same = load(preset("cpu"), sets(**{**keys, "reuse": str(demo_run), "rounds": 3, "lr": 1e-4})[1::2])
     run = tmp_path / "run"
-    wrote = loop.reuse_phases(demo_run, run, same, model)
-    assert wrote == [run / f for f in loop.REUSED]
-    for folder in (*loop.REUSED, *(f"captures/{f}" for f in loop.REUSED)):
-        theirs = sorted(p.relative_to(demo_run / folder) for p in (demo_run / folder).rglob("*") if p.is_file())
-        assert theirs, folder
-        assert sorted(p.relative_to(run / folder) for p in (run / folder).rglob("*") if p.is_file()) == theirs
-        assert all((run / folder / f).read_bytes() == (demo_run / folder / f).read_bytes() for f in theirs)
-    assert not (run / "sft").exists()  # the SFT stage depends on SFT's settings: never copied
+    wrote = loop.reuse_phases(demo_run, run, same, model)  # the same SFT settings: the SFT stage comes too
+    assert wrote == [*(run / f for f in (*loop.REUSED, *loop.REUSED_SFT)), run / "adapters" / "sft"]
+    copied = (*loop.REUSED, *loop.REUSED_SFT, "adapters/sft")
+    for path in (*copied, *(f"captures/{f}" for f in (*loop.REUSED, *loop.REUSED_SFT))):
+        theirs = contents(demo_run / path)
+        assert theirs and contents(run / path) == theirs, path
+    for key in ("train-sft", "sft"):  # the markers, which a resumed run keeps, say where they came from
+        marker = json.loads((run / ".done" / f"{key}.json").read_text())
+        assert marker == {**json.loads((demo_run / ".done" / f"{key}.json").read_text()), "copied_from": str(demo_run)}
+    assert sorted(p.name for p in (run / ".done").iterdir()) == ["sft.json", "train-sft.json"]
+
+    other_sft = load(preset("cpu"), sets(**{**keys, "reuse": str(demo_run), "sft_steps": 9})[1::2])
+    wrote = loop.reuse_phases(demo_run, tmp_path / "other-sft", other_sft, model)
+    assert wrote == [tmp_path / "other-sft" / f for f in loop.REUSED]  # the SFT stage depends on SFT's settings
+    assert not (tmp_path / "other-sft" / "sft").exists() and not (tmp_path / "other-sft" / ".done").exists()
 
     other_seed = load(preset("cpu"), sets(**{**keys, "seed": 1})[1::2])
     with pytest.raises(EvalError, match=r"not the same seed as"):
@@ -223,6 +231,12 @@ def test_reuse_copies_the_teacher_and_base_stage_only_from_a_run_with_the_same_i
     with pytest.raises(EvalError, match=r"not the same model as"):
         loop.reuse_phases(demo_run, tmp_path / "other-model", same, str(tmp_path))
     assert not (tmp_path / "seed1").exists() and not (tmp_path / "other-model").exists()
+
+
+def contents(path: Path) -> dict[Path, bytes]:
+    """A file's bytes, or a folder's files' by their paths within it."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    return {p.relative_to(path): p.read_bytes() for p in files}
 
 
 def descendants(pid: int) -> list[psutil.Process]:
