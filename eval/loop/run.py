@@ -585,9 +585,12 @@ def resumed(run: Path, config: Config) -> bool:
         if any(f"{run}/" in word or word.endswith(str(run)) for word in words):
             left.append(proc)
             continue
-        with contextlib.suppress(psutil.Error):  # a server names no path of the run: its environment does
-            if proc.environ().get(RUN_ENV) == str(run):
-                left.append(proc)
+        if started_for(proc, run):  # a server names no path of the run: its environment does
+            left.append(proc)
+    # And what they started: a process that retitles itself (vLLM's engine and worker, by setproctitle) can zero
+    # its environment block, where psutil then reads nothing (a killed attempt's engine was left running, 3.9 GB).
+    with contextlib.suppress(psutil.Error):
+        left += [child for proc in list(left) for child in proc.children(recursive=True) if child not in left]
     for proc in left:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
@@ -596,6 +599,13 @@ def resumed(run: Path, config: Config) -> bool:
         console.print(f"[yellow]stopped {len(left)} process(es) an earlier attempt left running in {shown(run)}[/]")
     console.print(f"resuming {shown(run)}: its finished phases are kept", highlight=False)
     return True
+
+
+def started_for(proc: psutil.Process, run: Path) -> bool:
+    """Whether ``proc``'s environment names ``run`` (RUN_ENV, set by the loop for everything it starts)."""
+    with contextlib.suppress(psutil.Error):
+        return proc.environ().get(RUN_ENV) == str(run)
+    return False
 
 
 class UrlServer:

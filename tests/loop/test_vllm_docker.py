@@ -15,10 +15,14 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
+from eval.loop import run as loop_run
+from eval.loop.config import Config
 from eval.tasks import family as taskgen
 from tests.loop.test_resume import ROOT, adapter_difference, running_in, stop_trainer
 
@@ -98,3 +102,30 @@ def test_the_loop_on_vllm_and_containers_killed_in_round_2s_training_resumes_to_
     assert adapter_difference(run / "adapters" / "grpo2", run / "adapters" / "grpo1") > 0 or "no usable group" in (
         train + resumed.stdout
     )
+
+
+def test_a_resumed_run_stops_what_its_processes_started_even_retitled(tmp_path):
+    """vLLM's engine retitles itself (setproctitle), which can zero its environment block: psutil then reads none of
+    it, and a resumed run that only asked each process's environment left a killed attempt's engine running (3.9 GB).
+    Here a server as the loop starts it (its environment names the run) starts an engine that retitles itself."""
+    assert VLLM_PYTHON, "make test-loop sets POLAR_VLLM_PYTHON"
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / loop_run.CONFIG).write_text(json.dumps({"config": loop_run._plain(Config(out=run))}))
+    engine = "import setproctitle, time; setproctitle.setproctitle('VLLM::EngineCore'); time.sleep(99)"
+    server = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {engine!r}]); time.sleep(99)"
+    env = {**os.environ, loop_run.RUN_ENV: str(run)}
+    parent = subprocess.Popen([VLLM_PYTHON, "-c", server], env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not [c for c in psutil.Process(parent.pid).children() if c.name() == "VLLM::EngineCore"]:
+            assert time.monotonic() < deadline, "the engine never retitled itself"
+            time.sleep(0.1)
+        server_proc = psutil.Process(parent.pid)
+        (child,) = server_proc.children()
+        assert loop_run.RUN_ENV not in child.environ() and loop_run.started_for(server_proc, run)
+        assert loop_run.resumed(run, Config(out=run))
+        assert psutil.wait_procs([server_proc, child], timeout=30)[1] == []  # the server, and its engine too
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL) if parent.poll() is None else None
+        parent.wait()
