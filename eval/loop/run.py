@@ -604,7 +604,7 @@ def resumed(run: Path, config: Config) -> bool:
 def started_for(proc: psutil.Process, run: Path) -> bool:
     """Whether ``proc``'s environment names ``run`` (RUN_ENV, set by the loop for everything it starts)."""
     with contextlib.suppress(psutil.Error):
-        return proc.environ().get(RUN_ENV) == str(run)
+        return bool(proc.environ().get(RUN_ENV) == str(run))
     return False
 
 
