@@ -103,10 +103,8 @@ DONE = ".done"  # RUN/.done/<phase>.json: the phases a run finished, each with i
 RUN_ENV = "POLAR_LOOP_RUN"  # the run folder, in the environment of every process a loop starts
 SECRET = "proxy.secret"  # the run's key-signing secret (addon polar_secret_file), mode 0600
 REUSED = ("teacher", "base", "base-heldout")  # what reuse copies: these run folders and their captures
-REUSED_SFT = (
-    "sft",
-    "sft-heldout",
-)  # and, where SFT's settings are the same too, the SFT stage, its adapter and markers
+# And, where SFT's settings are the same too (REUSE_SFT_KEYS), the SFT stage, with its adapter and done markers.
+REUSED_SFT = ("sft", "sft-heldout")
 # The flags the teacher sessions and the base stage depend on: a run reusing them must have the same values.
 # --runtime is not one: it changes where a session runs, not what the harness and the model do in it.
 REUSE_KEYS = (
@@ -139,15 +137,14 @@ def reuse_phases(source: Path, run: Path, config: Config, model: str) -> list[Pa
     missing = [f for f in REUSED if not (source / f / "trajectories.parquet").is_file()]
     if missing:
         raise EvalError(f"reuse {source}: {', '.join(missing)} not finished there (no trajectories.parquet)")
-    folders = list(REUSED)
     markers = [source / DONE / f"{key}.json" for key in ("train-sft", "sft")]
     same_sft = config.sft != "none" and all(saved["config"].get(k) == mine[k] for k in REUSE_SFT_KEYS)
-    if same_sft and all(m.is_file() for m in markers):
-        folders += REUSED_SFT
+    with_sft = same_sft and all(m.is_file() for m in markers)
+    folders = (*REUSED, *REUSED_SFT) if with_sft else REUSED
     for folder in folders:
         shutil.copytree(source / folder, run / folder)
         shutil.copytree(source / "captures" / folder, run / "captures" / folder)
-    if len(folders) == len(REUSED):
+    if not with_sft:
         return [run / f for f in folders]
     shutil.copytree(source / "adapters" / "sft", run / "adapters" / "sft")
     (run / DONE).mkdir(parents=True, exist_ok=True)

@@ -517,16 +517,16 @@ def serving_attention(
         shared_scores = torch.matmul(across, shared[0][0].transpose(-1, -2))  # (H_kv, B * G, S)
         scores = torch.cat([shared_scores.reshape(kv_heads, rows, groups, -1).transpose(0, 1), scores], -1)
     scores = scores.float() * (dim**-0.5 if scaling is None else scaling)  # (B, H_kv, G, S + L)
+    s = scores.shape[-1] - key.shape[2]  # the shared columns come first (S = 0 without them)
     if attention_mask is not None:  # (B, 1, 1, L): bool (True attends) or additive; the shared columns all attend
-        own = scores[..., scores.shape[-1] - key.shape[2] :]
         if attention_mask.dtype == torch.bool:
-            own.masked_fill_(~attention_mask, float("-inf"))
+            scores[..., s:].masked_fill_(~attention_mask, float("-inf"))
         else:
-            own += attention_mask
+            scores[..., s:] += attention_mask
     probs = scores.softmax(-1).to(value.dtype)
-    out = torch.matmul(probs[..., probs.shape[-1] - key.shape[2] :], value)  # (B, H_kv, G, D)
+    out = torch.matmul(probs[..., s:], value)  # (B, H_kv, G, D)
     if shared is not None:
-        across = probs[..., : -key.shape[2]].transpose(0, 1).reshape(kv_heads, rows * groups, -1)  # (H_kv, B * G, S)
+        across = probs[..., :s].transpose(0, 1).reshape(kv_heads, rows * groups, s)  # (H_kv, B * G, S)
         out += torch.matmul(across, shared[1][0]).reshape(kv_heads, rows, groups, dim).transpose(0, 1)
     return out.reshape(rows, 1, heads, dim), None
 
